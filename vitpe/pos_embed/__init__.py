@@ -1,0 +1,24 @@
+"""Positional encodings for vision transformers, each a function of continuous patch coordinates."""
+from .base import PosContext, PosEmbed
+from .functional import (
+    apply_rope,
+    axial_rope_freqs,
+    fourier_features,
+    lattice_offsets,
+    log_spaced,
+    mixed_rope_freqs,
+    relative_offsets,
+    relative_position_index,
+    rope_angles,
+    rotate_pairs,
+    sample_bias_table,
+    sincos_1d,
+    sincos_2d,
+)
+from .registry import CombinedPosEmbed, build_pos_embed, list_pos_embeds, pos_embed_options, register_pos_embed
+
+# Importing the families registers them; the order here is the order list_pos_embeds() reports.
+from .additive import FourierPosEmbed, LearnedFourierPosEmbed, LearnedPosEmbed, NoPosEmbed, SinCos2d  # noqa: E402
+from .bias import ContinuousPositionBias, RelativePositionBias  # noqa: E402
+from .rotary import RopeAxial, RopeMixed  # noqa: E402
+from .conditional import PEG  # noqa: E402

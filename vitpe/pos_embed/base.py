@@ -1,0 +1,164 @@
+"""One interface for every positional encoding, and the per-forward context the blocks consume.
+
+A PE answers up to four questions about a :class:`~vitpe.coords.PatchGrid`; the defaults answer
+"nothing", so a model calls all of them and never branches on which PE it holds:
+
+- ``tokens(grid)``: ``(N, dim)`` added to the patch tokens (absolute encodings);
+- ``bias(grid)``: ``(heads, N, N)`` added to the attention logits (relative encodings);
+- ``rope_angles(grid)``: ``(L|1, heads|1, N, head_dim/2)`` rotation angles for q and k (rotary);
+- ``condition(layer, x, grid)``: a function of the tokens themselves after block ``layer`` (conditional).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, ClassVar, FrozenSet, Hashable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..coords import PatchGrid, Size2, to_2tuple
+from .functional import rotate_pairs
+
+__all__ = ["PosEmbed", "PosContext"]
+
+_CACHE_SIZE = 8  # grids kept per PE; multi-resolution training cycles through a handful
+
+
+@dataclass
+class PosContext:
+    """What one forward pass needs from the PE, computed once and shared by every block.
+
+    ``bias`` is ``(heads|1, T, T)`` and ``cos``/``sin`` are ``(L|1, heads|1, T, head_dim/2)`` over all
+    ``T = num_prefix + N`` tokens: prefix (cls/register) tokens get zero bias and the identity rotation,
+    so they carry no position and never shift the grid.
+    """
+
+    grid: PatchGrid
+    num_prefix: int
+    tokens: Optional[Tensor] = None
+    bias: Optional[Tensor] = None
+    cos: Optional[Tensor] = None
+    sin: Optional[Tensor] = None
+    conditional: Optional["PosEmbed"] = None
+    condition_layers: FrozenSet[int] = frozenset()
+
+    def add_tokens(self, x: Tensor) -> Tensor:
+        """``x``: ``(B, N, dim)`` patch tokens (no prefix)."""
+        return x if self.tokens is None else x + self.tokens
+
+    def rotate(self, q: Tensor, k: Tensor, layer: int) -> Tuple[Tensor, Tensor]:
+        """``q, k``: ``(B, heads, T, head_dim)``."""
+        if self.cos is None:
+            return q, k
+        i = min(layer, self.cos.shape[0] - 1)
+        cos, sin = self.cos[i], self.sin[i]
+        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
+
+    def after_block(self, layer: int, x: Tensor) -> Tensor:
+        """``x``: ``(B, T, dim)``; applies a conditional encoding to the patch tokens only."""
+        if layer not in self.condition_layers:
+            return x
+        p = self.num_prefix
+        return torch.cat([x[:, :p], self.conditional.condition(layer, x[:, p:], self.grid)], dim=1)
+
+
+class PosEmbed(nn.Module):
+    """Base class of every positional encoding. Subclasses override the hooks they implement.
+
+    Constructor contract (what ``build_pos_embed`` passes): ``dim`` (model width), ``num_heads``,
+    ``ref_grid`` (the token grid the model is built for), ``depth`` (number of blocks), then the
+    encoding's own keyword options.
+    """
+
+    name: ClassVar[str] = ""
+    acts_on: ClassVar[str] = "-"  # "tokens" | "attention logits" | "q and k" | "tokens (conditional)"
+
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim={dim} must be divisible by num_heads={num_heads}")
+        self.dim, self.num_heads, self.depth = dim, num_heads, depth
+        self.head_dim = dim // num_heads
+        self.ref_grid = to_2tuple(ref_grid, "ref_grid")
+        self._memo_store: "OrderedDict[Hashable, object]" = OrderedDict()
+
+    # ---- hooks -----------------------------------------------------------------------------------
+    def tokens(self, grid: PatchGrid) -> Optional[Tensor]:
+        return None
+
+    def bias(self, grid: PatchGrid) -> Optional[Tensor]:
+        return None
+
+    def rope_angles(self, grid: PatchGrid) -> Optional[Tensor]:
+        return None
+
+    def condition_layers(self) -> FrozenSet[int]:
+        return frozenset()
+
+    def condition(self, layer: int, x: Tensor, grid: PatchGrid) -> Tensor:
+        return x
+
+    # ---- caching ---------------------------------------------------------------------------------
+    def memo(self, grid: PatchGrid, tag: str, fn: Callable[[], object]) -> object:
+        """Cache ``fn()`` for canonical grids. Use it only for values that do not need gradients."""
+        if grid.key is None:
+            return fn()
+        key = (tag, grid.key)
+        if key in self._memo_store:
+            self._memo_store.move_to_end(key)
+            return self._memo_store[key]
+        value = fn()
+        self._memo_store[key] = value
+        while len(self._memo_store) > 4 * _CACHE_SIZE:
+            self._memo_store.popitem(last=False)
+        return value
+
+    def _param_state(self) -> Optional[tuple]:
+        """Identity of the current parameter values, or None if the context must be rebuilt (training)."""
+        params = list(self.parameters())
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            return None  # tables built from trained parameters carry gradients: rebuild once per step
+        # _version counts in-place updates (optimizer steps, load_state_dict), so a stale table is never reused.
+        return tuple((p.data_ptr(), p._version) for p in params)
+
+    def context(self, grid: PatchGrid, num_prefix: int = 0, dtype: torch.dtype = torch.float32) -> PosContext:
+        """Everything the blocks need for ``grid``, cached per (grid, device, dtype, parameter values)."""
+        state = self._param_state() if grid.key is not None else None
+        key = None if state is None else ("context", grid.key, num_prefix, dtype, state)
+        if key is not None and key in self._memo_store:
+            self._memo_store.move_to_end(key)
+            return self._memo_store[key]
+        ctx = self._build_context(grid, num_prefix, dtype)
+        if key is not None:
+            self._memo_store[key] = ctx
+            while len(self._memo_store) > 4 * _CACHE_SIZE:
+                self._memo_store.popitem(last=False)
+        return ctx
+
+    def _build_context(self, grid: PatchGrid, num_prefix: int, dtype: torch.dtype) -> PosContext:
+        tokens = self.tokens(grid)
+        bias = self.bias(grid)
+        angles = self.rope_angles(grid)
+        ctx = PosContext(grid, num_prefix, conditional=self, condition_layers=self.condition_layers())
+        if tokens is not None:
+            ctx.tokens = tokens.to(dtype)
+        if bias is not None:
+            ctx.bias = F.pad(bias, (num_prefix, 0, num_prefix, 0)).to(dtype)  # prefix rows/cols: 0
+        if angles is not None:
+            while angles.dim() < 4:
+                angles = angles.unsqueeze(0)
+            angles = F.pad(angles, (0, 0, num_prefix, 0))  # prefix tokens: angle 0, the identity
+            ctx.cos, ctx.sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        return ctx
+
+    def clear_cache(self) -> None:
+        self._memo_store.clear()
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .half(): cached tables belong to the old device/dtype
+        self.clear_cache()
+        return super()._apply(fn, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_heads={self.num_heads}, ref_grid={self.ref_grid}"

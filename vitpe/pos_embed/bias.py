@@ -1,0 +1,85 @@
+"""Relative encodings added to the attention logits: Swin's bias table and Swin-V2's continuous bias."""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor, nn
+from timm.layers import trunc_normal_
+
+from ..coords import PatchGrid, Size2
+from .base import PosEmbed
+from .functional import lattice_offsets, log_spaced, relative_offsets, relative_position_index, sample_bias_table
+from .registry import register_pos_embed
+
+__all__ = ["RelativePositionBias", "ContinuousPositionBias"]
+
+
+def _offsets_and_index(pe: PosEmbed, grid: PatchGrid) -> Tuple[Tensor, Tensor | None]:
+    """Offsets at which a bias function must be evaluated, and how to spread them over ``(N, N)``.
+
+    On a uniform lattice there are only ``(2h-1)(2w-1)`` distinct offsets, gathered by Swin's index;
+    for irregular coordinates every pair is evaluated (``index`` is None).
+    """
+    if grid.spacing is None:
+        return relative_offsets(grid.coords), None
+
+    def build():
+        return lattice_offsets(grid.size, grid.spacing, grid.coords.device), relative_position_index(grid.size).to(grid.coords.device)
+
+    return pe.memo(grid, "lattice", build)
+
+
+def _spread(values: Tensor, index: Tensor | None) -> Tensor:
+    """``values``: ``(2h-1, 2w-1, H)`` with an index, or ``(N, N, H)`` without; returns ``(H, N, N)``."""
+    if index is not None:
+        values = values.flatten(0, 1)[index]  # (N, N, H)
+    return values.permute(2, 0, 1)
+
+
+@register_pos_embed("rel_bias")
+class RelativePositionBias(PosEmbed):
+    """Swin relative position bias (Liu et al., ICCV 2021): one learned bias per head and relative offset,
+    a ``(2h-1)(2w-1) x heads`` table indexed exactly as Swin at the reference grid. At other grids the
+    table is sampled (bicubically by default) at the continuous offsets, borders held beyond its range.
+    """
+
+    acts_on = "attention logits"
+
+    def __init__(
+        self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, interpolation: str = "bicubic", std: float = 0.02
+    ) -> None:
+        super().__init__(dim, num_heads, ref_grid, depth)
+        if interpolation not in ("bicubic", "bilinear", "nearest"):
+            raise ValueError(f"rel_bias interpolation must be 'bicubic', 'bilinear' or 'nearest', got {interpolation!r}")
+        h, w = self.ref_grid
+        self.interpolation = interpolation
+        self.table = nn.Parameter(torch.zeros((2 * h - 1) * (2 * w - 1), num_heads))  # ((2h-1)(2w-1), H)
+        trunc_normal_(self.table, std=std)
+
+    def bias(self, grid: PatchGrid) -> Tensor:
+        if grid.is_reference:
+            index = self.memo(grid, "index", lambda: relative_position_index(grid.size).to(self.table.device))
+            return self.table[index].permute(2, 0, 1)  # exactly Swin's gather
+        offsets, index = _offsets_and_index(self, grid)
+        return _spread(sample_bias_table(self.table, offsets.to(self.table.device), self.ref_grid, self.interpolation), index)
+
+
+@register_pos_embed("cpb")
+class ContinuousPositionBias(PosEmbed):
+    """Swin-V2 log-spaced continuous position bias (Liu et al., CVPR 2022): a small MLP of the log-spaced
+    offset, ``16 * sigmoid(MLP(sign(d) log2(1 + |8d/(ref-1)|) / 3))``. Offsets are continuous, so a new
+    grid just evaluates the MLP at new points; the log spacing keeps extrapolated offsets near the
+    trained range."""
+
+    acts_on = "attention logits"
+
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, hidden_dim: int = 512) -> None:
+        super().__init__(dim, num_heads, ref_grid, depth)
+        self.mlp = nn.Sequential(nn.Linear(2, hidden_dim), nn.ReLU(inplace=True), nn.Linear(hidden_dim, num_heads, bias=False))
+
+    def bias(self, grid: PatchGrid) -> Tensor:
+        offsets, index = _offsets_and_index(self, grid)
+        weight = self.mlp[0].weight
+        table = self.memo(grid, "log", lambda: log_spaced(offsets, self.ref_grid)) if index is not None else log_spaced(offsets, self.ref_grid)
+        return 16 * torch.sigmoid(_spread(self.mlp(table.to(weight.device, weight.dtype)), index))

@@ -1,0 +1,114 @@
+"""The one registry of positional encodings: names, options, and ``a+b`` combinations."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Type
+
+import torch
+from torch import Tensor, nn
+
+from ..coords import PatchGrid, Size2
+from .base import PosEmbed
+
+__all__ = ["register_pos_embed", "list_pos_embeds", "build_pos_embed", "pos_embed_options", "CombinedPosEmbed"]
+
+_REGISTRY: Dict[str, Type[PosEmbed]] = {}
+_COMMON = ("self", "dim", "num_heads", "ref_grid", "depth")
+
+
+def register_pos_embed(name: str) -> Callable[[Type[PosEmbed]], Type[PosEmbed]]:
+    """Class decorator: make a :class:`PosEmbed` subclass buildable by ``name``."""
+
+    def wrap(cls: Type[PosEmbed]) -> Type[PosEmbed]:
+        if "+" in name or name in _REGISTRY:
+            raise ValueError(f"cannot register positional encoding {name!r}: name taken or contains '+'")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def list_pos_embeds() -> List[str]:
+    """Registered encoding names, in registration order. Combine them with '+', e.g. 'sincos2d+rope_mixed'."""
+    return list(_REGISTRY)
+
+
+def pos_embed_options(name: str) -> Dict[str, Any]:
+    """The options one registered encoding accepts, with their defaults."""
+    cls = _lookup(name)
+    sig = inspect.signature(cls.__init__)
+    return {k: p.default for k, p in sig.parameters.items() if k not in _COMMON}
+
+
+def _lookup(name: str) -> Type[PosEmbed]:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown positional encoding {name!r}; valid names: {', '.join(_REGISTRY)} (combine with '+')")
+    return _REGISTRY[name]
+
+
+def build_pos_embed(name: str, *, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, **options: Any) -> PosEmbed:
+    """Build a positional encoding by registry name, or a '+'-combination such as ``"sincos2d+rope_mixed"``.
+
+    In a combination, an option goes to every part that accepts it; ``"part.option"`` targets one part.
+    An unknown name, or an option no part accepts, raises ``ValueError`` naming the valid ones.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"positional encoding name must be a non-empty string, got {name!r}")
+    parts = [p.strip() for p in name.split("+")]
+    for p in parts:
+        _lookup(p)
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"positional encoding {name!r} names a part twice")
+    per_part: Dict[str, Dict[str, Any]] = {p: {} for p in parts}
+    for key, value in options.items():
+        target, _, opt = key.rpartition(".")
+        targets = [target] if target else [p for p in parts if opt in pos_embed_options(p)]
+        if target and (target not in per_part or opt not in pos_embed_options(target)):
+            targets = []
+        if not targets:
+            valid = sorted({(f"{p}." if len(parts) > 1 else "") + o for p in parts for o in pos_embed_options(p)})
+            raise ValueError(f"unknown option {key!r} for positional encoding {name!r}; valid options: {', '.join(valid) or 'none'}")
+        for t in targets:
+            per_part[t][opt] = value
+    common = dict(dim=dim, num_heads=num_heads, ref_grid=ref_grid, depth=depth)
+    built = [_REGISTRY[p](**common, **per_part[p]) for p in parts]
+    return built[0] if len(built) == 1 else CombinedPosEmbed(built, **common)
+
+
+class CombinedPosEmbed(PosEmbed):
+    """Several encodings at once (e.g. RoPE-ViT's "+APE" variants): token terms and biases add up,
+    at most one rotary part, conditional parts apply after their own blocks."""
+
+    acts_on = "combined"
+
+    def __init__(self, parts: List[PosEmbed], *, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1) -> None:
+        super().__init__(dim, num_heads, ref_grid, depth)
+        rotary = [p.name for p in parts if type(p).rope_angles is not PosEmbed.rope_angles]
+        if len(rotary) > 1:
+            raise ValueError(f"at most one rotary encoding can be combined, got {rotary}")
+        self.parts = nn.ModuleList(parts)
+        self.name = "+".join(p.name for p in parts)
+
+    @staticmethod
+    def _sum(values: List[Optional[Tensor]]) -> Optional[Tensor]:
+        values = [v for v in values if v is not None]
+        return None if not values else values[0] if len(values) == 1 else torch.stack(torch.broadcast_tensors(*values)).sum(0)
+
+    def tokens(self, grid: PatchGrid) -> Optional[Tensor]:
+        return self._sum([p.tokens(grid) for p in self.parts])
+
+    def bias(self, grid: PatchGrid) -> Optional[Tensor]:
+        return self._sum([p.bias(grid) for p in self.parts])
+
+    def rope_angles(self, grid: PatchGrid) -> Optional[Tensor]:
+        return self._sum([p.rope_angles(grid) for p in self.parts])
+
+    def condition_layers(self) -> FrozenSet[int]:
+        return frozenset().union(*(p.condition_layers() for p in self.parts))
+
+    def condition(self, layer: int, x: Tensor, grid: PatchGrid) -> Tensor:
+        for p in self.parts:
+            if layer in p.condition_layers():
+                x = p.condition(layer, x, grid)
+        return x

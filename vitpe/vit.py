@@ -1,0 +1,237 @@
+"""A plain multi-head ViT (Dosovitskiy et al. 2021) whose positional encoding is injected from the top.
+
+The model builds one PE object, asks it once per forward for a :class:`PosContext` on the grid of
+the actual input, and hands that context to every block. No block knows which PE it runs with.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Literal, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from timm.layers import DropPath, Mlp, trunc_normal_
+from torch import Tensor, nn
+
+from .coords import COORD_MODES, PatchGrid, to_2tuple
+from .pos_embed import PosContext, PosEmbed, build_pos_embed
+
+__all__ = ["Attention", "Block", "VisionTransformer"]
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with fused qkv through ``F.scaled_dot_product_attention``.
+
+    Rotary encodings rotate q and k; bias encodings enter as a float mask (only then does SDPA leave
+    its flash path). ``head_dim`` defaults to ``dim // num_heads``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        head_dim: Optional[int] = None,
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim or dim // num_heads
+        inner = self.num_heads * self.head_dim
+        self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(inner, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def _qkv(self, x: Tensor, pos: Optional[PosContext], layer: int) -> Tuple[Tensor, Tensor, Tensor]:
+        q, k, v = rearrange(self.qkv(x), "b t (s h d) -> s b h t d", s=3, h=self.num_heads).unbind(0)  # (B, H, T, hd)
+        if pos is not None:
+            q, k = pos.rotate(q, k, layer)
+        return q, k, v
+
+    def forward(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0) -> Tensor:
+        q, k, v = self._qkv(x, pos, layer)
+        bias = None if pos is None or pos.bias is None else pos.bias.to(q.dtype)
+        drop = self.attn_drop if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)
+        return self.proj_drop(self.proj(rearrange(out, "b h t d -> b t (h d)")))
+
+    def attention_logits(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0) -> Tensor:
+        """The explicit (slow) path: ``q k^T / sqrt(d) + bias`` as ``(B, H, T, T)``, for inspection."""
+        q, k, _ = self._qkv(x, pos, layer)
+        logits = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        return logits if pos is None or pos.bias is None else logits + pos.bias.to(logits.dtype)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + DropPath(Attn(LN(x)))``, then ``x + DropPath(MLP(LN(x)))``."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=drop)
+
+    def forward(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0) -> Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x), pos, layer))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class VisionTransformer(nn.Module):
+    """ViT with any registered positional encoding, running at any input size divisible by the patch.
+
+    ``img_size`` fixes the *reference grid* (``img_size // patch_size``) in whose units coordinates are
+    measured; inputs of other sizes get a new grid and new coordinates (``coord_mode``: ``"interpolate"``
+    keeps the reference extent, ``"extrapolate"`` extends it). ``pos_embed`` is a registry name or a
+    '+'-combination (``vitpe.list_pos_embeds()``), ``pos_embed_kwargs`` its options.
+    """
+
+    def __init__(
+        self,
+        img_size: Union[int, Tuple[int, int]] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 192,
+        depth: int = 12,
+        num_heads: int = 3,
+        mlp_ratio: float = 4.0,
+        pos_embed: str = "sincos2d",
+        pos_embed_kwargs: Optional[Dict[str, Any]] = None,
+        class_token: bool = True,
+        num_reg_tokens: int = 0,
+        pool: Literal["cls", "mean"] = "cls",
+        coord_mode: Literal["interpolate", "extrapolate"] = "interpolate",
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.img_size = to_2tuple(img_size, "img_size")
+        if not isinstance(patch_size, int) or patch_size < 1:
+            raise ValueError(f"patch_size must be a positive int, got {patch_size!r}")
+        if self.img_size[0] % patch_size or self.img_size[1] % patch_size:
+            raise ValueError(f"img_size {self.img_size} is not divisible by patch_size {patch_size}")
+        if pool not in ("cls", "mean"):
+            raise ValueError(f"pool must be 'cls' or 'mean', got {pool!r}")
+        if pool == "cls" and not class_token:
+            raise ValueError("pool='cls' needs class_token=True; use pool='mean' without a class token")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
+        self.patch_size, self.in_chans, self.num_classes = patch_size, in_chans, num_classes
+        self.embed_dim, self.depth, self.num_heads, self.pool = embed_dim, depth, num_heads, pool
+        self.ref_grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
+        self.coord_mode = coord_mode
+        self.num_prefix_tokens = int(class_token) + num_reg_tokens
+
+        self.patch_embed = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.reg_token = nn.Parameter(torch.zeros(1, num_reg_tokens, embed_dim)) if num_reg_tokens else None
+        self.pos_embed: PosEmbed = build_pos_embed(
+            pos_embed, dim=embed_dim, num_heads=num_heads, ref_grid=self.ref_grid, depth=depth, **(pos_embed_kwargs or {})
+        )
+        self.pos_drop = nn.Dropout(drop_rate)
+        dpr = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth grows with depth
+        self.blocks = nn.ModuleList(
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], norm_eps) for i in range(depth)
+        )
+        self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self._init_weights()
+
+    @property
+    def coord_mode(self) -> str:
+        return self._coord_mode
+
+    @coord_mode.setter
+    def coord_mode(self, mode: str) -> None:
+        if mode not in COORD_MODES:
+            raise ValueError(f"unknown coord_mode {mode!r}; expected one of {COORD_MODES}")
+        self._coord_mode = mode
+
+    def _init_weights(self) -> None:
+        # timm's default ViT init: truncated-normal linears, zero biases, tiny prefix tokens.
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        for t in (self.cls_token, self.reg_token):
+            if t is not None:
+                nn.init.normal_(t, std=1e-6)
+
+    def no_weight_decay(self) -> set:
+        """Parameter names that should not be weight-decayed (timm's optimizer factory reads this)."""
+        skip = {"cls_token", "reg_token"}
+        return skip | {f"pos_embed.{n}" for n, _ in self.pos_embed.named_parameters()}
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def grid_size(self, img_hw: Tuple[int, int]) -> Tuple[int, int]:
+        """Token grid of an input of size ``(H, W)``; ``ValueError`` if not a multiple of the patch."""
+        h, w = img_hw
+        p = self.patch_size
+        if h % p or w % p or h < p or w < p:
+            fix = (max(p, round(h / p) * p), max(p, round(w / p) * p))
+            raise ValueError(f"input size {h}x{w} is not a multiple of patch_size {p}; resize or crop it, e.g. to {fix[0]}x{fix[1]}")
+        return h // p, w // p
+
+    def patch_grid(self, grid_size: Tuple[int, int], device: torch.device) -> PatchGrid:
+        return PatchGrid.create(grid_size, self.ref_grid, self.coord_mode, device=device)
+
+    def _check_input(self, x: Tensor) -> None:
+        if x.dim() != 4:
+            raise ValueError(f"expected images of shape (B, {self.in_chans}, H, W), got shape {tuple(x.shape)}")
+        if x.shape[1] != self.in_chans:
+            raise ValueError(
+                f"expected {self.in_chans} input channels, got {x.shape[1]} (shape {tuple(x.shape)}); "
+                f"convert the images or build the model with in_chans={x.shape[1]}"
+            )
+
+    def embed(self, x: Tensor, grid: Optional[PatchGrid] = None) -> Tuple[Tensor, PosContext]:
+        """Patch tokens with prefix tokens, and the PE context for this input: ``(B, T, D)``."""
+        self._check_input(x)
+        grid_hw = self.grid_size(x.shape[-2:])
+        if grid is None:
+            grid = self.patch_grid(grid_hw, x.device)
+        elif grid.size != grid_hw:
+            raise ValueError(f"grid {grid.size} does not match the input's token grid {grid_hw}")
+        x = rearrange(self.patch_embed(x), "b d h w -> b (h w) d")  # (B, N, D)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        pos = self.pos_embed.context(grid, self.num_prefix_tokens, dtype)
+        x = pos.add_tokens(x)
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        x = torch.cat(prefix + [x], dim=1) if prefix else x
+        return self.pos_drop(x), pos
+
+    def forward_features(self, x: Tensor, grid: Optional[PatchGrid] = None) -> Tensor:
+        """``(B, C, H, W) -> (B, T, D)``, normalised, ``T = num_prefix_tokens + (H/p)(W/p)``."""
+        x, pos = self.embed(x, grid)
+        for i, blk in enumerate(self.blocks):
+            x = pos.after_block(i, blk(x, pos, i))
+        return self.norm(x)
+
+    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
+        x = x[:, 0] if self.pool == "cls" else x[:, self.num_prefix_tokens :].mean(dim=1)
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: Tensor, grid: Optional[PatchGrid] = None) -> Tensor:
+        """Logits ``(B, num_classes)`` for images of any size divisible by the patch size."""
+        return self.forward_head(self.forward_features(x, grid))
