@@ -168,8 +168,10 @@ class VisionTransformer(nn.Module):
 
     def _init_weights(self) -> None:
         # timm's default ViT init: truncated-normal linears, zero biases, tiny prefix tokens.
+        # The PE initialises itself, as its paper does.
+        pe_modules = set(self.pos_embed.modules())
         for m in self.modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, nn.Linear) and m not in pe_modules:
                 trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
@@ -179,7 +181,7 @@ class VisionTransformer(nn.Module):
 
     def no_weight_decay(self) -> set:
         """Parameter names that should not be weight-decayed (timm's optimizer factory reads this)."""
-        skip = {"cls_token", "reg_token"}
+        skip = {n for n in ("cls_token", "reg_token") if getattr(self, n) is not None}
         return skip | {f"pos_embed.{n}" for n, _ in self.pos_embed.named_parameters()}
 
     # ---- forward ---------------------------------------------------------------------------------

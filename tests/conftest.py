@@ -1,0 +1,13 @@
+import pytest
+import torch
+
+import vitpe
+
+# Every registered family plus combinations that exercise each way of combining (additive+rotary,
+# additive+bias+conditional).
+ALL_PE = vitpe.list_pos_embeds() + ["sincos2d+rope_mixed", "learned+rel_bias+peg"]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

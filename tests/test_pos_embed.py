@@ -1,0 +1,179 @@
+"""Every registered encoding: registry contract, resolution transfer, caching, and that order matters."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vitpe
+from vitpe.pos_embed import functional as PF
+
+from conftest import ALL_PE
+
+FAMILIES = ["none", "sincos2d", "fourier", "fourier_learned", "learned", "rel_bias", "cpb", "rope_axial", "rope_mixed", "peg"]
+
+
+def small_vit(pe, img=256, patch=16, **kw):
+    kw = {"embed_dim": 32, "depth": 2, "num_heads": 2, "num_classes": 5, **kw}
+    return vitpe.VisionTransformer(img_size=img, patch_size=patch, pos_embed=pe, **kw)
+
+
+def test_registry_lists_every_family_in_order():
+    assert vitpe.list_pos_embeds() == FAMILIES
+
+
+def test_every_family_documents_its_paper_and_what_it_acts_on():
+    for name in FAMILIES:
+        pe = vitpe.build_pos_embed(name, dim=32, num_heads=2, ref_grid=4)
+        assert type(pe).__doc__ and len(type(pe).__doc__) > 60
+        assert name == "none" or pe.acts_on != "-"
+
+
+def test_unknown_name_and_option_raise_value_error_naming_valid_ones():
+    with pytest.raises(ValueError, match="valid names: none, sincos2d"):
+        vitpe.build_pos_embed("sincos3d", dim=32, num_heads=2, ref_grid=4)
+    with pytest.raises(ValueError, match="valid options: theta"):
+        vitpe.build_pos_embed("rope_axial", dim=32, num_heads=2, ref_grid=4, temperature=10)
+    with pytest.raises(ValueError, match="rope_mixed.theta"):
+        vitpe.build_pos_embed("sincos2d+rope_mixed", dim=32, num_heads=2, ref_grid=4, nope=1)
+    with pytest.raises(ValueError, match="at most one rotary"):
+        vitpe.build_pos_embed("rope_axial+rope_mixed", dim=32, num_heads=2, ref_grid=4)
+    with pytest.raises(ValueError, match="unknown positional encoding"):
+        vitpe.VisionTransformer(img_size=32, patch_size=8, pos_embed="alibi")
+
+
+def test_options_route_to_the_parts_of_a_combination():
+    pe = vitpe.build_pos_embed("sincos2d+rope_mixed", dim=32, num_heads=2, ref_grid=4, theta=3.0, base=50.0, **{"rope_mixed.per_layer": False})
+    sincos, rope = pe.parts
+    assert sincos.base == 50.0 and rope.theta == 3.0 and rope.per_layer is False
+
+
+@pytest.mark.parametrize("pe", ALL_PE)
+def test_runs_forward_and_backward_at_new_resolutions(pe):
+    model = small_vit(pe)
+    for size in [(256, 256), (512, 512), (256, 384)]:
+        for mode in ("interpolate", "extrapolate"):
+            model.coord_mode = mode
+            model.zero_grad()
+            out = model(torch.randn(2, 3, *size))
+            assert out.shape == (2, 5) and torch.isfinite(out).all()
+            out.square().mean().backward()
+            grads = [p.grad for p in model.parameters() if p.requires_grad]
+            assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def _encodings(pe, grid):
+    """Everything the encoding contributes on ``grid``, as plain tensors."""
+    ctx = pe.context(grid)
+    return {k: v for k, v in (("tokens", ctx.tokens), ("bias", ctx.bias), ("cos", ctx.cos), ("sin", ctx.sin)) if v is not None}
+
+
+@pytest.mark.parametrize("pe_name", [p for p in ALL_PE if p != "none" and p != "peg"])
+@pytest.mark.parametrize("mode", ["interpolate", "extrapolate"])
+def test_new_grid_is_the_same_continuous_function_at_new_coordinates(pe_name, mode):
+    """Canonical-grid shortcuts (lattice offsets, caches) must not change the function: evaluating the
+    encoding at the same coordinates given as arbitrary points gives the same values."""
+    pe = vitpe.build_pos_embed(pe_name, dim=32, num_heads=2, ref_grid=(16, 16), depth=2)
+    for size in [(32, 32), (16, 24), (8, 8)]:
+        canonical = vitpe.PatchGrid.create(size, (16, 16), mode)
+        arbitrary = vitpe.PatchGrid.from_coords(canonical.coords.clone(), size, (16, 16))
+        a, b = _encodings(pe, canonical), _encodings(pe, arbitrary)
+        assert a.keys() == b.keys() and a
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5)
+
+
+def test_sincos_and_fourier_tokens_are_their_formulas_at_any_grid():
+    for name, fn in [("sincos2d", lambda pe, c: vitpe.sincos_2d(c, 32)), ("fourier", lambda pe, c: vitpe.fourier_features(c, pe.freqs))]:
+        pe = vitpe.build_pos_embed(name, dim=32, num_heads=2, ref_grid=16)
+        for size in [16, 32, (16, 24)]:
+            g = vitpe.PatchGrid.create(size, 16)
+            torch.testing.assert_close(pe.tokens(g), fn(pe, vitpe.grid_coords(size, 16)))
+
+
+def test_learned_is_exact_at_reference_and_bicubic_interpolate_elsewhere():
+    pe = vitpe.build_pos_embed("learned", dim=32, num_heads=2, ref_grid=16)
+    assert torch.equal(pe.tokens(vitpe.PatchGrid.create(16, 16)), pe.table.flatten(2)[0].t())
+    for size in [(32, 32), (16, 24), (8, 8), (11, 5)]:
+        ours = pe.tokens(vitpe.PatchGrid.create(size, 16, "interpolate"))
+        ref = F.interpolate(pe.table, size=size, mode="bicubic", align_corners=False).flatten(2)[0].t()
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+    # Extrapolate mode at a smaller grid is a crop of the table.
+    crop = pe.tokens(vitpe.PatchGrid.create(8, 16, "extrapolate"))
+    torch.testing.assert_close(crop, pe.table[:, :, :8, :8].flatten(2)[0].t(), atol=1e-5, rtol=1e-5)
+
+
+def test_rel_bias_is_swin_at_reference_and_samples_table_elsewhere():
+    pe = vitpe.build_pos_embed("rel_bias", dim=32, num_heads=2, ref_grid=(4, 5))
+    ref_bias = pe.bias(vitpe.PatchGrid.create((4, 5)))
+    assert torch.equal(ref_bias, pe.table[vitpe.relative_position_index((4, 5))].permute(2, 0, 1))
+    # Extrapolate to a larger grid: offsets inside the table are exact entries, beyond it the border value.
+    big = pe.bias(vitpe.PatchGrid.create((6, 7), (4, 5), "extrapolate"))  # (H, 42, 42)
+    table = pe.table.t().reshape(2, 7, 9)  # (H, 2h-1, 2w-1), row = dy + 3, col = dx + 4
+    q, k = 0, 2 * 7 + 3  # q at (y=0, x=0), k at (y=2, x=3): dy=-2, dx=-3
+    torch.testing.assert_close(big[:, q, k], table[:, -2 + 3, -3 + 4], atol=1e-5, rtol=1e-5)
+    q, k = 5 * 7 + 6, 0  # dy=5, dx=6 beyond the table: clamped to (dy=3, dx=4)
+    torch.testing.assert_close(big[:, q, k], table[:, 6, 8], atol=1e-5, rtol=1e-5)
+
+
+def test_cpb_is_swin_v2_at_reference():
+    pe = vitpe.build_pos_embed("cpb", dim=32, num_heads=2, ref_grid=(4, 4))
+    table = PF.log_spaced(PF.lattice_offsets((4, 4), (1.0, 1.0)), (4, 4))
+    expected = 16 * torch.sigmoid(pe.mlp(table).flatten(0, 1)[vitpe.relative_position_index(4)]).permute(2, 0, 1)
+    torch.testing.assert_close(pe.bias(vitpe.PatchGrid.create(4)), expected)
+    assert pe.bias(vitpe.PatchGrid.create(4)).min() > 0  # 16 * sigmoid is in (0, 16)
+
+
+@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed"])
+def test_rope_angles_are_linear_in_coordinates(name):
+    pe = vitpe.build_pos_embed(name, dim=32, num_heads=2, ref_grid=8, depth=3)
+    fine = vitpe.PatchGrid.create(16, 8)
+    angles = pe.rope_angles(fine)
+    freqs = pe.freqs
+    expected = PF.rope_angles(fine.coords, freqs)
+    torch.testing.assert_close(angles, expected)
+    if name == "rope_mixed":
+        assert angles.shape == (3, 2, 256, 8)  # per layer, per head
+
+
+def test_fixed_tables_are_cached_and_learned_ones_rebuilt_while_training():
+    fixed = vitpe.build_pos_embed("sincos2d+rope_axial", dim=32, num_heads=2, ref_grid=8)
+    g = vitpe.PatchGrid.create(8)
+    assert fixed.context(g, 1) is fixed.context(vitpe.PatchGrid.create(8), 1)
+
+    learned = vitpe.build_pos_embed("rel_bias", dim=32, num_heads=2, ref_grid=8)
+    a = learned.context(g)
+    assert a.bias.requires_grad and learned.context(g) is not a  # training: fresh graph every step
+    with torch.no_grad():
+        b = learned.context(g)
+        assert learned.context(g) is b  # inference: cached
+        learned.table.add_(1.0)  # an optimizer step changes the parameters...
+        c = learned.context(g)
+    assert c is not b and torch.allclose(c.bias, b.bias + 1)  # ...and the stale table is not reused
+
+
+def test_prefix_tokens_get_no_position_and_do_not_shift_the_grid():
+    pe = vitpe.build_pos_embed("sincos2d+rel_bias+rope_axial", dim=32, num_heads=2, ref_grid=4)
+    g = vitpe.PatchGrid.create(4)
+    c0, c3 = pe.context(g, 0), pe.context(g, 3)
+    torch.testing.assert_close(c3.bias[:, 3:, 3:], c0.bias)
+    assert torch.all(c3.bias[:, :3, :] == 0) and torch.all(c3.bias[:, :, :3] == 0)
+    torch.testing.assert_close(c3.cos[..., 3:, :], c0.cos)
+    assert torch.all(c3.cos[..., :3, :] == 1) and torch.all(c3.sin[..., :3, :] == 0)
+    torch.testing.assert_close(c3.tokens, c0.tokens)
+
+
+@pytest.mark.parametrize("pe", ALL_PE)
+def test_order_matters_exactly_when_there_is_a_positional_encoding(pe):
+    model = small_vit(pe, img=32, patch=8, class_token=False, pool="mean").eval()
+    with torch.no_grad():  # at init attention is near uniform and bias tables near zero: give both a trained scale
+        for p in list(model.pos_embed.parameters()) + [b.attn.qkv.weight for b in model.blocks]:
+            p.mul_(20)
+    x = torch.randn(2, 3, 32, 32)
+    patches = x.unfold(2, 8, 8).unfold(3, 8, 8)  # (B, C, 4, 4, 8, 8)
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(1))
+    shuffled = patches.flatten(2, 3)[:, :, perm].unflatten(2, (4, 4)).permute(0, 1, 2, 4, 3, 5).reshape(2, 3, 32, 32)
+    with torch.no_grad():
+        a, b = model(x), model(shuffled)
+    if pe == "none":
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    else:
+        assert (a - b).abs().max() > 1e-3 * a.abs().max()
