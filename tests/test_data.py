@@ -1,0 +1,236 @@
+"""Datasets: shapes geometry and rendering, the real loaders on small files in each format, augmentation."""
+import gzip
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+import train as train_script
+from vitpe.data import DataError, SHAPES_CLASSES, load_dataset, render_shapes, shapes_params
+from vitpe.data import datasets as D
+from vitpe.data.augment import BatchAugment
+
+
+# ---- shapes ----------------------------------------------------------------------------------------
+def test_shapes_is_deterministic_and_sliceable():
+    a, b = shapes_params(20, seed=3), shapes_params(10, seed=3, start=5)
+    for k in a:
+        assert torch.equal(a[k][5:15], b[k])
+    assert not torch.equal(shapes_params(20, seed=4)["centre"], a["centre"])
+    assert torch.equal(render_shapes(a, 32), render_shapes(shapes_params(20, seed=3), 32))
+
+
+def test_shapes_render_the_same_picture_at_every_resolution():
+    p = shapes_params(64, seed=0)
+    small = render_shapes(p, 32).float()
+    big = render_shapes(p, 128).float()
+    down = F.avg_pool2d(big, 4)  # box-filter the 128px rendering to 32px
+    assert (down - small).abs().mean() < 3.0  # out of 255: the same scene, up to edge anti-aliasing
+    wide = render_shapes(p, (32, 48))
+    assert wide.shape == (64, 3, 32, 48) and wide.dtype == torch.uint8
+
+
+def test_shapes_classes_and_geometry():
+    p = shapes_params(4000, seed=0)
+    label, c, r = p["label"], p["centre"], p["radius"]
+    assert torch.bincount(label, minlength=10).min() > 300 and len(SHAPES_CLASSES) == 10
+    two = label >= 5
+    # Every shape lies inside the image.
+    inside = ((c[:, 0] - r[:, :1]) >= 0) & ((c[:, 0] + r[:, :1]) <= 1)
+    assert inside.all()
+    inside2 = ((c[two, 1] - r[two, 1:]) >= 0) & ((c[two, 1] + r[two, 1:]) <= 1)
+    assert inside2.all()
+    # Pairs are apart by more than a patch (1/8 of the image), so no single patch sees both.
+    gap = (c[two, 0] - c[two, 1]).norm(dim=-1) - r[two].sum(1)
+    assert gap.min() > 0.125
+    # Arrangement classes mean what their names say (first shape is the one named first).
+    for cls, axis in [(5, 1), (6, 1), (7, 0), (8, 0)]:
+        m = label == cls
+        assert (c[m, 0, axis] < c[m, 1, axis]).all()
+    assert (p["kind"][label == 5] == torch.tensor([0, 1])).all() and (p["kind"][label == 6] == torch.tensor([1, 0])).all()
+
+
+def test_shapes_dataset_split_sizes_and_native_rendering():
+    ds = load_dataset("shapes", train_size=50, test_size=20)
+    x, y = ds.split(True, (32, 32))
+    assert x.shape == (50, 3, 32, 32) and x.dtype == torch.uint8 and y.shape == (50,)
+    x64, y64 = ds.split(True, (64, 64))
+    assert x64.shape == (50, 3, 64, 64) and torch.equal(y, y64)
+    assert not ds.flip_ok and ds.renders_natively and ds.num_classes == 10
+
+
+def test_unknown_dataset():
+    with pytest.raises(DataError, match="unknown dataset 'svhn'; choose one of shapes, fashion_mnist, cifar10, cifar100, imagefolder:PATH"):
+        load_dataset("svhn")
+
+
+# ---- Fashion-MNIST (IDX files) ----------------------------------------------------------------------
+def write_idx(folder: Path, n_train=12, n_test=6, gz=True):
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    out = {}
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, n, dtype=np.uint8)
+        blobs = {f"{prefix}-images-idx3-ubyte": struct.pack(">IIII", 2051, n, 28, 28) + images.tobytes(),
+                 f"{prefix}-labels-idx1-ubyte": struct.pack(">II", 2049, n) + labels.tobytes()}
+        for name, blob in blobs.items():
+            if gz:
+                with gzip.open(folder / f"{name}.gz", "wb") as f:
+                    f.write(blob)
+            else:
+                (folder / name).write_bytes(blob)
+        out[prefix] = (images, labels)
+    return out
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_fashion_mnist_reads_idx_files_through_torchvision(tmp_path, gz):
+    truth = write_idx(tmp_path / "src", gz=gz)
+    ds = load_dataset("fashion_mnist", str(tmp_path / "src"))
+    x, y = ds.split(True)
+    assert x.shape == (12, 1, 28, 28) and torch.equal(x[:, 0], torch.from_numpy(truth["train"][0]))
+    assert torch.equal(y, torch.from_numpy(truth["train"][1]).long())
+    xt, _ = ds.split(False, (32, 32))
+    assert xt.shape == (6, 1, 32, 32)
+    assert (tmp_path / "src" / "FashionMNIST" / "raw" / "train-images-idx3-ubyte").is_file()
+
+
+def test_fashion_mnist_missing_says_the_three_ways(tmp_path, monkeypatch):
+    import torchvision.datasets as tvd
+
+    monkeypatch.setattr(D, "DEBIAN_FASHION_MNIST", tmp_path / "no-debian")
+    monkeypatch.setattr(tvd.FashionMNIST, "download", lambda self: (_ for _ in ()).throw(OSError("offline")))
+    with pytest.raises(DataError, match=r"\(1\) --data-dir DIR .* \(2\) apt-get install dataset-fashion-mnist .* \(3\) run once with internet"):
+        load_dataset("fashion_mnist", str(tmp_path / "empty"))
+
+
+def test_fashion_mnist_corrupt_file(tmp_path):
+    write_idx(tmp_path / "src")
+    (tmp_path / "src" / "train-images-idx3-ubyte.gz").write_bytes(b"\x1f\x8b\x08\x00garbage")
+    with pytest.raises(DataError, match="is corrupt"):
+        load_dataset("fashion_mnist", str(tmp_path / "src"))
+
+
+@pytest.mark.skipif(not D.DEBIAN_FASHION_MNIST.is_dir(), reason="Debian's dataset-fashion-mnist is not installed (.ci/run installs it)")
+def test_real_fashion_mnist_from_debian(tmp_path):
+    ds = load_dataset("fashion_mnist", str(tmp_path))
+    (x, y), (xt, yt) = ds.split(True), ds.split(False)
+    assert x.shape == (60000, 1, 28, 28) and xt.shape == (10000, 1, 28, 28)
+    assert torch.bincount(y).tolist() == [6000] * 10 and torch.bincount(yt).tolist() == [1000] * 10
+
+
+# ---- CIFAR (CIFAR's own pickle format) -------------------------------------------------------------
+def write_cifar(root: Path, hundred: bool, n=10):
+    rng = np.random.default_rng(1)
+    if hundred:
+        folder, files, key, meta = root / "cifar-100-python", ["train", "test"], "fine_labels", ("meta", "fine_label_names", 100)
+    else:
+        folder, files, key, meta = root / "cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"], "labels", ("batches.meta", "label_names", 10)
+    folder.mkdir(parents=True)
+    truth = {}
+    for f in files:
+        data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+        labels = rng.integers(0, meta[2], n).tolist()
+        with open(folder / f, "wb") as fh:
+            pickle.dump({"data": data, key: labels, "batch_label": f}, fh)
+        truth[f] = (data, labels)
+    with open(folder / meta[0], "wb") as fh:
+        pickle.dump({meta[1]: [f"class{i}" for i in range(meta[2])]}, fh)
+    return folder, truth
+
+
+@pytest.mark.parametrize("name, hundred", [("cifar10", False), ("cifar100", True)])
+def test_cifar_loads_files_in_cifar_format(tmp_path, name, hundred):
+    folder, truth = write_cifar(tmp_path, hundred)
+    ds = load_dataset(name, str(tmp_path))
+    (x, y), (xt, yt) = ds.split(True), ds.split(False)
+    n_train = 10 if hundred else 50
+    assert x.shape == (n_train, 3, 32, 32) and xt.shape == (10, 3, 32, 32)
+    test_file = "test" if hundred else "test_batch"
+    assert torch.equal(xt, torch.from_numpy(truth[test_file][0]).view(10, 3, 32, 32))
+    assert yt.tolist() == truth[test_file][1]
+    assert ds.num_classes == (100 if hundred else 10) and ds.classes[3] == "class3"
+
+
+def test_cifar_corrupt_and_missing(tmp_path):
+    folder, _ = write_cifar(tmp_path, hundred=False)
+    (folder / "test_batch").write_bytes(b"not a pickle")
+    with pytest.raises(DataError, match="corrupt or not in CIFAR format"):
+        load_dataset("cifar10", str(tmp_path))
+    (folder / "data_batch_3").unlink()
+    with pytest.raises(DataError, match="not found in .* put the extracted 'cifar-10-batches-py' folder under --data-dir"):
+        load_dataset("cifar10", str(tmp_path))
+
+
+# ---- imagefolder -----------------------------------------------------------------------------------
+def write_images(folder: Path, classes=("cat", "dog"), per_class=6, size=(20, 30)):
+    for i, c in enumerate(classes):
+        (folder / c).mkdir(parents=True)
+        for j in range(per_class):
+            arr = np.full((*size, 3), 40 + 150 * i, dtype=np.uint8)
+            arr[j % size[0]] = 255
+            Image.fromarray(arr).save(folder / c / f"{j}.png")
+
+
+def test_imagefolder_with_and_without_split(tmp_path):
+    write_images(tmp_path / "a" / "train")
+    write_images(tmp_path / "a" / "val", per_class=2)
+    ds = load_dataset(f"imagefolder:{tmp_path / 'a'}", image_size=(16, 16))
+    (x, y), (xt, yt) = ds.split(True), ds.split(False)
+    assert x.shape == (12, 3, 16, 16) and xt.shape == (4, 3, 16, 16) and ds.classes == ("cat", "dog")
+    assert y.tolist() == [0] * 6 + [1] * 6 and abs(x[y == 1].float().mean().item() - 190) < 15
+    write_images(tmp_path / "b", per_class=10)
+    ds = load_dataset(f"imagefolder:{tmp_path / 'b'}", image_size=(16, 16))
+    assert len(ds.split(True)[1]) == 18 and len(ds.split(False)[1]) == 2
+
+
+def test_imagefolder_bad_input(tmp_path):
+    with pytest.raises(DataError, match="is not a directory"):
+        load_dataset(f"imagefolder:{tmp_path / 'nope'}")
+    write_images(tmp_path / "c")
+    (tmp_path / "c" / "cat" / "broken.png").write_bytes(b"\x89PNG not really")
+    with pytest.raises(DataError, match="cannot read image .*broken.png"):
+        load_dataset(f"imagefolder:{tmp_path / 'c'}")
+
+
+def test_train_on_imagefolder(tmp_path):
+    write_images(tmp_path / "imgs", per_class=20)
+    rc = train_script.main(["--config", str(Path(__file__).parents[1] / "configs" / "tiny.yaml"), "--data", f"imagefolder:{tmp_path / 'imgs'}",
+                            "--set", "train.batch_size=8", "--epochs", "1", "--out-dir", str(tmp_path / "runs"), "--name", "img"])
+    assert rc == 0 and (tmp_path / "runs" / "img" / "checkpoint.pt").is_file()
+
+
+# ---- augmentation ----------------------------------------------------------------------------------
+def test_crop_translates_and_flip_respects_the_dataset():
+    torch.manual_seed(0)
+    x = torch.arange(2 * 1 * 8 * 8, dtype=torch.uint8).view(2, 1, 8, 8)
+    crop = BatchAugment("crop", pad_fraction=0.25)(x)
+    assert crop.shape == x.shape and crop.dtype == torch.uint8
+    # A translated view: the centre 4x4 of the original appears intact somewhere in the crop.
+    for i in range(2):
+        centre = x[i, 0, 2:6, 2:6]
+        found = any(torch.equal(crop[i, 0, r : r + 4, c : c + 4], centre) for r in range(5) for c in range(5))
+        assert found
+    no_flip = BatchAugment("crop_flip", flip=False, pad_fraction=0.0)
+    assert torch.equal(no_flip(x), x)
+    torch.manual_seed(1)
+    flips = BatchAugment("crop_flip", pad_fraction=0.0)(x.repeat(32, 1, 1, 1))
+    flipped = sum(torch.equal(f, x[i % 2].flip(-1)) for i, f in enumerate(flips))
+    assert 0 < flipped < 64
+
+
+@pytest.mark.parametrize("kind", ["trivial", "randaugment"])
+@pytest.mark.parametrize("chans", [1, 3])
+def test_policy_augmentations_run_on_batches(kind, chans):
+    x = torch.randint(0, 256, (64, chans, 32, 32), dtype=torch.uint8)
+    torch.manual_seed(0)
+    a = BatchAugment(kind)(x)
+    torch.manual_seed(0)
+    b = BatchAugment(kind)(x)
+    assert a.shape == x.shape and a.dtype == torch.uint8 and torch.equal(a, b) and not torch.equal(a, x)

@@ -1,0 +1,218 @@
+"""train.py and eval.py end to end on tiny configs: runs, checkpoints, exact resume, torchrun, bad input."""
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import eval as eval_script
+import train as train_script
+from vitpe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from vitpe.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def train(tmp_path, name, *extra):
+    return train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", name, *extra])
+
+
+def weights(run):
+    return load_checkpoint(run)["model"]
+
+
+def assert_same_weights(a, b, exact=True):
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4, msg=k)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    assert train_script.main(["--config", TINY, "--out-dir", str(out), "--name", "base"]) == 0
+    return out / "base"
+
+
+def test_a_run_writes_config_checkpoint_and_metrics(tiny_run):
+    assert (tiny_run / "config.yaml").is_file()
+    rows = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert all(0 <= r["test_top1"] <= 1 and r["images_per_s"] > 0 for r in rows)
+    assert list(csv.DictReader(open(tiny_run / "metrics.csv")))[-1]["epoch"] == "2"
+    state = load_checkpoint(tiny_run)
+    assert state["epoch"] == 2 and state["step"] == 0 and state["config"]["model"]["img_size"] == 16
+    for key in ("optimizer", "scheduler", "scaler", "model_args", "data"):
+        assert key in state
+
+
+def test_a_new_run_never_overwrites_an_existing_one(tiny_run):
+    before = (tiny_run / "checkpoint.pt").read_bytes()
+    with pytest.raises(ConfigError, match="already exists; continue it with --resume"):
+        train(tiny_run.parent, "base")
+    assert (tiny_run / "checkpoint.pt").read_bytes() == before
+
+
+def _interrupt_at(monkeypatch, at_epoch, at_step):
+    real = train_script.seed_step
+
+    def seed_step(*parts):
+        if len(parts) == 3 and parts[1:] == (at_epoch, at_step):
+            raise KeyboardInterrupt
+        real(*parts)
+
+    monkeypatch.setattr(train_script, "seed_step", seed_step)
+
+
+@pytest.mark.parametrize("at_epoch, at_step", [(0, 3), (1, 0)])
+def test_interrupted_and_resumed_run_ends_with_the_same_weights(tiny_run, tmp_path, monkeypatch, at_epoch, at_step):
+    _interrupt_at(monkeypatch, at_epoch, at_step)
+    assert train(tmp_path, "cut") == 130  # Ctrl-C: checkpoint, then exit
+    state = load_checkpoint(tmp_path / "cut")
+    assert (state["epoch"], state["step"]) == (at_epoch, at_step)
+    monkeypatch.undo()
+    assert train_script.main(["--resume", str(tmp_path / "cut")]) == 0
+    assert_same_weights(weights(tmp_path / "cut"), weights(tiny_run))
+    rows = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2]
+
+
+def test_resume_refuses_new_settings(tiny_run):
+    with pytest.raises(ConfigError, match="continues with its saved config"):
+        train_script.main(["--resume", str(tiny_run), "--set", "train.lr=0.1"])
+
+
+def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint({"model": {"w": torch.ones(2)}, "model_args": {}, "config": {}}, path)
+
+    def dies_mid_write(obj, f, *a, **k):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", dies_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"model": {"w": torch.zeros(2)}, "model_args": {}, "config": {}}, path)
+    monkeypatch.undo()
+    assert torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary left behind
+
+
+def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real_ce = torch.nn.CrossEntropyLoss
+
+    class NanAfterFirstEpoch(real_ce):
+        def forward(self, logits, target):
+            calls["n"] += 1
+            loss = super().forward(logits, target)
+            return loss * float("nan") if calls["n"] > 8 else loss  # tiny: 8 steps per epoch
+
+    monkeypatch.setattr(train_script.torch.nn, "CrossEntropyLoss", NanAfterFirstEpoch)
+    with pytest.raises(train_script.TrainingError, match=r"loss became nan at epoch 2 .* last good checkpoint is kept"):
+        train(tmp_path, "nan")
+    assert load_checkpoint(tmp_path / "nan")["epoch"] == 1
+
+
+def test_config_errors_are_one_clear_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key model\.depht; valid keys: .*model\.depth"):
+        train(tmp_path, "x", "--set", "model.depht=3")
+    with pytest.raises(ConfigError, match=r"train\.epochs must be int, got 'many'"):
+        train(tmp_path, "x", "--set", "train.epochs=many")
+    with pytest.raises(ConfigError, match=r"data\.augment='sometimes' is not valid"):
+        train(tmp_path, "x", "--set", "data.augment=sometimes")
+    with pytest.raises(ConfigError, match="config file nope.yaml not found"):
+        train_script.main(["--config", "nope.yaml"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  colour: red\n")
+    with pytest.raises(ConfigError, match=r"unknown config key model\.colour"):
+        train_script.main(["--config", str(bad)])
+    assert not (tmp_path / "x").exists()
+
+
+def test_pos_embed_options_from_the_command_line(tmp_path):
+    assert train(tmp_path, "rope", "--pe", "sincos2d+rope_mixed", "--set", "model.pos_embed_kwargs.theta=5", "--epochs", "1") == 0
+    state = load_checkpoint(tmp_path / "rope")
+    assert state["model_args"]["pos_embed_kwargs"] == {"theta": 5}
+    with pytest.raises(ValueError, match="unknown option 'nope'"):
+        train(tmp_path, "rope2", "--set", "model.pos_embed_kwargs.nope=1")
+
+
+def test_cli_prints_one_line_and_exits_non_zero(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--data", "mnist3d", "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert r.stderr.strip().startswith("error: unknown dataset 'mnist3d'; choose one of shapes, fashion_mnist")
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# ---- eval.py -------------------------------------------------------------------------------------
+def test_eval_table_json_csv_and_plot(tiny_run, tmp_path, capsys):
+    out = tmp_path / "ev"
+    assert eval_script.main([str(tiny_run), "--resolutions", "8", "16", "32", "16x24", "--coord-mode", "both", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert len(rows) == 8 and {r["coord_mode"] for r in rows} == {"interpolate", "extrapolate"}
+    assert all(0 <= r["top1"] <= r["top5"] <= 1 and r["n"] == 64 for r in rows)
+    at_ref = [r for r in rows if r["resolution"] == "16"]
+    assert at_ref[0]["top1"] == at_ref[1]["top1"]  # both modes give the integer grid at the training size
+    assert len(list(csv.DictReader(open(out / "results.csv")))) == 8
+    png = (out / "accuracy_vs_resolution.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    printed = capsys.readouterr().out
+    assert "16x24" in printed and "sincos2d (interpolate)" in printed
+
+
+def test_eval_top1_matches_training_metrics_at_the_training_resolution(tiny_run, tmp_path):
+    assert eval_script.main([str(tiny_run), "--resolutions", "16", "--out", str(tmp_path / "e")]) == 0
+    rows = json.loads((tmp_path / "e" / "results.json").read_text())
+    last = [json.loads(l) for l in (tiny_run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert rows[0]["top1"] == pytest.approx(last["test_top1"]) and rows[0]["loss"] == pytest.approx(last["test_loss"], rel=1e-4)
+
+
+def test_eval_compares_several_runs_on_one_table(tiny_run, tmp_path):
+    assert train(tmp_path, "rope", "--pe", "rope_axial", "--epochs", "1") == 0
+    out = tmp_path / "cmp"
+    assert eval_script.main([str(tiny_run), str(tmp_path / "rope"), "--resolutions", "16", "32", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert sorted({r["label"] for r in rows}) == ["rope_axial", "sincos2d"]
+
+
+def test_eval_bad_inputs(tiny_run, tmp_path):
+    with pytest.raises(ConfigError, match="resolution 18x18 is not a multiple of the patch size 4"):
+        eval_script.main([str(tiny_run), "--resolutions", "18", "--out", str(tmp_path / "a")])
+    truncated = tmp_path / "trunc.pt"
+    truncated.write_bytes((tiny_run / "checkpoint.pt").read_bytes()[:5000])
+    with pytest.raises(CheckpointError, match="is truncated or corrupt"):
+        eval_script.main([str(truncated)])
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {"w": torch.ones(1)}}, foreign)
+    with pytest.raises(CheckpointError, match="is not a vitpe checkpoint"):
+        eval_script.main([str(foreign)])
+    state = load_checkpoint(tiny_run)
+    state["model"]["head.weight"] = torch.zeros(3, 32)
+    mismatched = tmp_path / "mismatch.pt"
+    save_checkpoint({k: v for k, v in state.items() if k != "format"}, mismatched)
+    with pytest.raises(CheckpointError, match=r"does not fit this model: 1 with other shapes \(e\.g\. head\.weight \(3, 32\) vs \(10, 32\)\)"):
+        eval_script.main([str(mismatched)])
+    with pytest.raises(CheckpointError, match="does not exist"):
+        eval_script.main([str(tmp_path / "missing.pt")])
+    with pytest.raises(CheckpointError, match="no checkpoint.pt in run directory"):
+        eval_script.main([str(tmp_path)])
+
+
+# ---- torchrun --------------------------------------------------------------------------------------
+def test_torchrun_two_cpu_processes_match_one_process(tiny_run, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517", "train.py",
+           "--config", TINY, "--set", "train.device=cpu", "--out-dir", str(tmp_path), "--name", "ddp"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "cpu x2" in r.stdout
+    assert_same_weights(weights(tmp_path / "ddp"), weights(tiny_run), exact=False)

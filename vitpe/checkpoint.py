@@ -1,0 +1,94 @@
+"""Checkpoints that never lose work: atomic writes, and loading that says exactly what is wrong."""
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any, Dict, Tuple, Union
+
+import torch
+
+from .vit import VisionTransformer
+
+__all__ = ["CheckpointError", "FORMAT", "save_checkpoint", "load_checkpoint", "find_checkpoint", "model_from_checkpoint"]
+
+FORMAT = "vitpe-checkpoint-v1"
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, truncated, foreign or from an incompatible model."""
+
+
+def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> None:
+    """Write ``state`` to ``path`` atomically: a temporary file in the same directory, flushed to disk,
+    then renamed over the old one. A kill at any moment leaves either the old or the new checkpoint."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({"format": FORMAT, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def find_checkpoint(path: Union[str, Path]) -> Path:
+    """A run directory or a checkpoint file -> the checkpoint file."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / CHECKPOINT_NAME
+        if not p.is_file():
+            raise CheckpointError(f"no {CHECKPOINT_NAME} in run directory {path}; it has not finished a first epoch, or it is not a vitpe run")
+    elif not p.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist; give a run directory (runs/NAME) or a .pt file")
+    return p
+
+
+def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> Dict[str, Any]:
+    """Load and validate a vitpe checkpoint (a run directory or file)."""
+    p = find_checkpoint(path)
+    try:
+        state = torch.load(p, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
+        reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise CheckpointError(f"checkpoint {p} is truncated or corrupt ({reason}); resume from an earlier copy or retrain") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{p} is not a vitpe checkpoint (no '{FORMAT}' marker); vitpe reads the checkpoints its train.py writes")
+    for key in ("model", "model_args", "config"):
+        if key not in state:
+            raise CheckpointError(f"checkpoint {p} lacks '{key}'; it was not written by vitpe's train.py")
+    return state
+
+
+def load_model_state(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], source: str) -> None:
+    """``load_state_dict`` with one readable line instead of a wall of key names."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    shapes = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in state_dict and state_dict[k].shape != v.shape]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (e.g. {missing[0]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (e.g. {unexpected[0]})")
+        if shapes:
+            parts.append(f"{len(shapes)} with other shapes (e.g. {shapes[0]})")
+        raise CheckpointError(f"checkpoint {source} does not fit this model: {'; '.join(parts)}; build the model from the checkpoint's own config")
+    model.load_state_dict(state_dict)
+
+
+def model_from_checkpoint(path: Union[str, Path], map_location: Any = "cpu", ema: bool = True) -> Tuple[VisionTransformer, Dict[str, Any]]:
+    """Rebuild the model from the checkpoint alone (its architecture travels with it); EMA weights if present."""
+    state = load_checkpoint(path, map_location)
+    try:
+        model = VisionTransformer(**state["model_args"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} describes a model this vitpe cannot build ({e})") from None
+    weights = state["ema"] if ema and state.get("ema") is not None else state["model"]
+    load_model_state(model, weights, str(path))
+    return model.eval(), state

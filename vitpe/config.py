@@ -1,0 +1,184 @@
+"""Typed, validated run configuration: YAML files in ``configs/`` plus ``--set section.key=value`` overrides.
+
+Unknown keys and ill-typed values raise :class:`ConfigError` with one line saying what is wrong and
+what is valid. The resolved config is saved in every run directory and inside every checkpoint.
+"""
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import yaml
+
+__all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "Config", "load_config", "apply_overrides"]
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used as given."""
+
+
+@dataclass
+class ModelConfig:
+    img_size: int = 32  # training resolution; sets the reference grid img_size // patch_size
+    patch_size: int = 4
+    embed_dim: int = 192
+    depth: int = 6
+    num_heads: int = 3
+    mlp_ratio: float = 2.0
+    pos_embed: str = "sincos2d"  # any name of vitpe.list_pos_embeds(), or a '+' combination
+    pos_embed_kwargs: Dict[str, Any] = field(default_factory=dict)
+    class_token: bool = True
+    num_reg_tokens: int = 0
+    pool: str = "cls"  # "cls" or "mean"
+    coord_mode: str = "interpolate"  # coordinates at new resolutions: "interpolate" or "extrapolate"
+    drop_rate: float = 0.0
+    drop_path_rate: float = 0.1
+
+
+@dataclass
+class DataConfig:
+    name: str = "shapes"  # shapes | fashion_mnist | cifar10 | cifar100 | imagefolder:PATH
+    data_dir: Optional[str] = None  # where datasets live or are downloaded to (default: ./data)
+    train_size: Optional[int] = None  # shapes: samples to generate; others: a subset (None: all)
+    test_size: Optional[int] = None
+    augment: str = "none"  # none | crop | crop_flip | trivial | randaugment
+    mixup: float = 0.0  # mixup alpha (0: off)
+    cutmix: float = 0.0  # cutmix alpha (0: off)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    batch_size: int = 128  # global batch, split across processes under torchrun
+    lr: float = 1e-3  # peak learning rate of AdamW
+    min_lr: float = 1e-5
+    weight_decay: float = 0.05
+    warmup_epochs: float = 1.0
+    label_smoothing: float = 0.1
+    grad_clip: float = 1.0  # max gradient norm (0: off)
+    ema_decay: float = 0.0  # model EMA decay (0: off); evaluation then uses the EMA weights
+    amp: str = "auto"  # auto (bf16 on CUDA, off on CPU) | bf16 | fp16 | none
+    compile: bool = False  # torch.compile the model
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    eval_batch_size: int = 512
+    time_limit_min: Optional[float] = None  # stop cleanly (with a checkpoint) after this many minutes
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    out_dir: str = "runs"
+    name: Optional[str] = None  # run directory name under out_dir (default: data-pe-timestamp)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    """Return ``value`` as type ``tp`` (ints accepted for floats), or raise ConfigError."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:  # Optional[X]
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(value, inner[0], where)
+    if tp is Any:
+        return value
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return dict(value)
+    if origin in (list, List, tuple, Tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return [_check_type(v, args[0], f"{where}[]") for v in value] if args else list(value)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp in (str, bool) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{where} must be {getattr(tp, '__name__', tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _build(cls: type, data: Dict[str, Any], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        raise ConfigError(f"unknown config key {where + '.' if where else ''}{unknown[0]}; valid keys: {', '.join(names)}")
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{where}.{k}" if where else k
+        kwargs[k] = _build(hints[k], v, key) if dataclasses.is_dataclass(hints[k]) else _check_type(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: Dict[str, Any]) -> Config:
+    cfg = _build(Config, data, "")
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: Config) -> None:
+    choices = {
+        "model.pool": (cfg.model.pool, ("cls", "mean")),
+        "model.coord_mode": (cfg.model.coord_mode, ("interpolate", "extrapolate")),
+        "data.augment": (cfg.data.augment, ("none", "crop", "crop_flip", "trivial", "randaugment")),
+        "train.amp": (cfg.train.amp, ("auto", "bf16", "fp16", "none")),
+    }
+    for key, (value, valid) in choices.items():
+        if value not in valid:
+            raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
+    for key, value in [("model.img_size", cfg.model.img_size), ("model.patch_size", cfg.model.patch_size),
+                       ("train.epochs", cfg.train.epochs), ("train.batch_size", cfg.train.batch_size)]:
+        if value < 1:
+            raise ConfigError(f"{key} must be at least 1, got {value}")
+    if cfg.model.img_size % cfg.model.patch_size:
+        raise ConfigError(f"model.img_size={cfg.model.img_size} is not divisible by model.patch_size={cfg.model.patch_size}")
+
+
+def load_config(path: Optional[str] = None) -> Config:
+    """Defaults, overlaid with a YAML file's values."""
+    if path is None:
+        return config_from_dict({})
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} not found; the shipped ones are in configs/")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    return config_from_dict(data)
+
+
+def apply_overrides(cfg: Config, overrides: List[str]) -> Config:
+    """Apply ``section.key=value`` strings (values parsed as YAML: 0.1, true, [1, 2], {a: 1})."""
+    data = cfg.to_dict()
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. model.pos_embed=rope_mixed")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        node, parts = data, key.strip().split(".")
+        for i, part in enumerate(parts[:-1]):
+            if not isinstance(node.get(part), dict):
+                raise ConfigError(f"unknown config key {'.'.join(parts[: i + 1])}; valid keys: {', '.join(node)}")
+            node = node[part]
+        if parts[-1] not in node and not (len(parts) > 2 and parts[-2].endswith("kwargs")):
+            raise ConfigError(f"unknown config key {key}; valid keys: {', '.join('.'.join(parts[:-1] + [k]) for k in node)}")
+        node[parts[-1]] = value
+    return config_from_dict(data)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,68 @@
+"""Batch-level augmentation of uint8 image tensors: cheap enough that 2 CPU cores keep up with training.
+
+Per-image PIL pipelines cost more than a small ViT's step on CPU; these operate on whole batches.
+Randomness comes from torch's global generator, which the trainer seeds per step, so a resumed run
+draws exactly the augmentations an uninterrupted one would have.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["BatchAugment", "normalize"]
+
+
+def normalize(x: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
+    """uint8 ``(B, C, H, W)`` -> float, standardised per channel."""
+    m = torch.tensor(mean, device=x.device).view(1, -1, 1, 1)
+    s = torch.tensor(std, device=x.device).view(1, -1, 1, 1)
+    return (x.float() / 255 - m) / s
+
+
+def random_translate(x: Tensor, pad: int) -> Tensor:
+    """Random crop of the reflect-padded image, one offset per sample (CIFAR's pad-and-crop)."""
+    if pad <= 0:
+        return x
+    b, c, h, w = x.shape
+    xp = F.pad(x.float(), (pad, pad, pad, pad), mode="reflect").to(x.dtype)
+    dy = torch.randint(0, 2 * pad + 1, (b,))
+    dx = torch.randint(0, 2 * pad + 1, (b,))
+    rows = (dy[:, None] + torch.arange(h)).to(x.device)  # (B, H)
+    cols = (dx[:, None] + torch.arange(w)).to(x.device)  # (B, W)
+    n = torch.arange(b, device=x.device)[:, None, None]
+    return xp.permute(0, 2, 3, 1)[n, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2).contiguous()
+
+
+def random_hflip(x: Tensor, p: float = 0.5) -> Tensor:
+    mask = (torch.rand(x.shape[0]) < p).to(x.device).view(-1, 1, 1, 1)
+    return torch.where(mask, x.flip(-1), x)
+
+
+class BatchAugment:
+    """``kind``: none | crop | crop_flip | trivial | randaugment (the last two add crop_flip).
+
+    TrivialAugment (Mueller & Hutter 2021) and RandAugment (Cubuk et al. 2020) come from torchvision;
+    they draw one operation per call, so the batch is split into ``groups`` that each draw their own.
+    ``flip=False`` for datasets whose labels a mirror image changes.
+    """
+
+    def __init__(self, kind: str = "none", flip: bool = True, pad_fraction: float = 0.125, groups: int = 16) -> None:
+        from torchvision.transforms import v2
+
+        if kind not in ("none", "crop", "crop_flip", "trivial", "randaugment"):
+            raise ValueError(f"unknown augment {kind!r}; choose none, crop, crop_flip, trivial or randaugment")
+        self.kind, self.flip, self.pad_fraction, self.groups = kind, flip, pad_fraction, groups
+        self.policy = {"trivial": v2.TrivialAugmentWide(), "randaugment": v2.RandAugment(num_ops=2, magnitude=9)}.get(kind)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.kind == "none":
+            return x
+        x = random_translate(x, round(self.pad_fraction * min(x.shape[-2:])))
+        if self.flip and self.kind != "crop":
+            x = random_hflip(x)
+        if self.policy is not None:
+            x = torch.cat([self.policy(chunk) for chunk in x.chunk(self.groups)])
+        return x
