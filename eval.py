@@ -4,6 +4,7 @@
     python eval.py runs/shapes-sincos2d-...                            # 0.5x .. 2x the training size
     python eval.py runs/A runs/B --resolutions 16 32 48 64 128         # compare runs on one table and plot
     python eval.py runs/A --resolutions 32x48 --coord-mode both       # non-square; both coordinate modes
+    python eval.py runs/A --resolutions 32 64 128 --route both         # new grid, or FlexiViT's resized patches
 
 The model is rebuilt from the checkpoint alone. ``shapes`` is rendered natively at each resolution;
 other data is resized (antialiased). Results go to RUN/eval-TIMESTAMP/ (or --out): results.json,
@@ -48,6 +49,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--test-size", type=int, help="evaluate on the first N test images")
     p.add_argument("--coord-mode", choices=["checkpoint", "interpolate", "extrapolate", "both"], default="checkpoint",
                    help="patch coordinates at new resolutions (default: what each run was trained with)")
+    p.add_argument("--route", choices=["coords", "patch", "both"], default="coords",
+                   help="meet a new resolution with new coordinates on a new token grid (coords), or by resizing the "
+                        "patch embedding to keep the trained grid (patch: FlexiViT's PI-resize)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights even if the run kept an EMA")
@@ -98,10 +102,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = state["config"]
         patch, train_size = model.patch_size, cfg["model"]["img_size"]
         resolutions = args.resolutions or default_resolutions(train_size, patch)
+        routes = ["coords", "patch"] if args.route == "both" else [args.route]
+        ref_h, ref_w = model.ref_grid
         for h, w in resolutions:
-            if h % patch or w % patch:
+            if "coords" in routes and (h % patch or w % patch):
                 raise ConfigError(f"resolution {h}x{w} is not a multiple of the patch size {patch} of {ckpt}; "
                                   f"use multiples of {patch}, e.g. {round(h / patch) * patch or patch}")
+            if "patch" in routes and (h % ref_h or w % ref_w or h // ref_h != w // ref_w):
+                raise ConfigError(f"--route patch keeps the {ref_h}x{ref_w} token grid, so resolution {h}x{w} must be k*{ref_h} x k*{ref_w}")
         name = args.data or cfg["data"]["name"]
         data_dir = args.data_dir or cfg["data"]["data_dir"]
         test_size = args.test_size or (cfg["data"]["test_size"] if name == cfg["data"]["name"] else None)
@@ -114,17 +122,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                               f"{ds.num_classes} / {ds.in_chans}; evaluate it on its own dataset ({cfg['data']['name']})")
         modes = {"checkpoint": [cfg["model"]["coord_mode"]], "both": ["interpolate", "extrapolate"]}.get(args.coord_mode, [args.coord_mode])
         dtype = amp_dtype(cfg["train"]["amp"], device)
-        for mode in modes:
+        variants = [(m, r) for r in routes for m in (modes if r == "coords" else modes[:1])]  # patch route: the trained grid
+        for mode, route in variants:
             model.coord_mode = mode
             label = cfg["model"]["pos_embed"] + (f" ({mode})" if len(modes) > 1 or args.coord_mode != "checkpoint" else "")
+            label += " (patch resize)" if route == "patch" else ""
             if any(r["label"] == label and r["run"] != str(ckpt) for r in rows):
                 label = f"{label} [{Path(ckpt).name}]"
             for h, w in resolutions:
                 images, labels = ds.split(False, (h, w))
                 t0 = time.time()
                 res = evaluate(model, images, labels, ds.mean, ds.std, args.batch_size, device, dtype, progress=sys.stderr.isatty(),
-                               desc=f"{label} @ {h}x{w}")
-                rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg["model"]["pos_embed"], "coord_mode": mode,
+                               desc=f"{label} @ {h}x{w}", patch_size=h // ref_h if route == "patch" else None)
+                rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg["model"]["pos_embed"], "coord_mode": mode, "route": route,
                              "data": name, "train_size": train_size, "resolution": f"{h}x{w}" if h != w else str(h),
                              "height": h, "width": w, "scale": round((h * w) ** 0.5 / train_size, 4), **res,
                              "seconds": round(time.time() - t0, 2)})
@@ -135,10 +145,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise ConfigError(f"output directory {out} exists and is not empty; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=2))
+    flat = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows]  # per-class lists stay in the JSON
     with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(flat)
     plot(rows, out / "accuracy_vs_resolution.png", f"top-1 against resolution ({', '.join(sorted({r['data'] for r in rows}))})")
 
     # The table: one row per resolution, one column per run/mode.

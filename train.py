@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from vitpe import VisionTransformer
 from vitpe.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_model_state, save_checkpoint
-from vitpe.config import Config, ConfigError, apply_overrides, config_from_dict, load_config, save_config
-from vitpe.data import DataError, load_dataset
+from vitpe.config import Config, ConfigError, apply_overrides, config_from_dict, load_config, save_config, train_resolutions
+from vitpe.data import DataError, load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, normalize
 from vitpe.engine import amp_dtype, autocast, evaluate, resolve_device, seed_step
 
@@ -76,11 +76,11 @@ def write_metrics(run: Path, rows: List[dict]) -> None:
     tmp = run / ".metrics.jsonl.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     os.replace(tmp, run / "metrics.jsonl")
-    keys = list(dict.fromkeys(k for r in rows for k in r))
+    flat = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows]  # per-class lists: JSONL only
     with open(run / ".metrics.csv.tmp", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(flat)
     os.replace(run / ".metrics.csv.tmp", run / "metrics.csv")
 
 
@@ -117,6 +117,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ds = load_dataset(cfg.data.name, cfg.data.data_dir, cfg.data.train_size, cfg.data.test_size, size)
     train_x, train_y = ds.split(True, size)
     test_x, test_y = ds.split(False, size)
+    # Multi-resolution training: shapes is rendered natively at each size once; other data is resized per batch.
+    sizes = train_resolutions(cfg)
+    train_at = {s: ds.split(True, (s, s))[0] if ds.renders_natively else train_x for s in sizes}
     augment = BatchAugment(cfg.data.augment, flip=ds.flip_ok)
     steps_per_epoch = len(train_y) // cfg.train.batch_size
     if steps_per_epoch == 0:
@@ -175,7 +178,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"run {run}: {cfg.data.name} ({len(train_y)} train / {len(test_y)} test, {ds.num_classes} classes), "
         f"ViT {n_params / 1e6:.2f}M params, pe={cfg.model.pos_embed}, {device}{f' x{world}' if distributed else ''}, "
-        f"amp={dtype}, {cfg.train.epochs} epochs x {steps_per_epoch} steps")
+        f"amp={dtype}, {cfg.train.epochs} epochs x {steps_per_epoch} steps"
+        + (f", resolutions {sizes}" if len(sizes) > 1 else ""))
 
     # ---- training ----------------------------------------------------------------------------------
     from tqdm import tqdm
@@ -193,7 +197,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 t0 = time.time()
                 seed_step(cfg.train.seed, epoch, step)  # same on every rank: the global batch is augmented identically
                 idx = perm[step * cfg.train.batch_size : (step + 1) * cfg.train.batch_size]
-                x = augment(train_x[idx])[rank * local_batch : (rank + 1) * local_batch]
+                res = sizes[torch.randint(len(sizes), ()).item()] if len(sizes) > 1 else sizes[0]
+                x = train_at[res][idx]
+                x = x if x.shape[-1] == res else resize_images(x, (res, res))
+                x = augment(x)[rank * local_batch : (rank + 1) * local_batch]
                 y = train_y[idx][rank * local_batch : (rank + 1) * local_batch]
                 x, y = normalize(x.to(device, non_blocking=True), ds.mean, ds.std), y.to(device, non_blocking=True)
                 seed_step(cfg.train.seed, epoch, step, rank)  # per-rank: dropout, drop-path, mixup
@@ -234,7 +241,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 cfg.train.eval_batch_size, device, dtype)
                 rows.append({"epoch": epoch, "train_loss": loss_sum.item() / max(seen, 1), "train_acc": correct / max(seen, 1),
                              "test_loss": test["loss"], "test_top1": test["top1"], **({"test_top5": test["top5"]} if "top5" in test else {}),
-                             "lr": optimizer.param_groups[0]["lr"], "images_per_s": seen * world / elapsed,
+                             "test_per_class_top1": [round(a, 4) for a in test["per_class_top1"]], "lr": optimizer.param_groups[0]["lr"], "images_per_s": seen * world / elapsed,
                              "data_time_frac": t_data / elapsed, "epoch_s": elapsed, "wall_s": time.time() - started})
                 checkpoint(epoch, 0)  # checkpoint first: metrics never run ahead of the weights
                 write_metrics(run, rows)

@@ -1,5 +1,6 @@
 """vitpe: Vision Transformers and their positional encodings, as functions of continuous patch coordinates."""
-from .coords import COORD_MODES, PatchGrid, grid_coords
+from .coords import COORD_MODES, CoordAugment, PatchGrid, grid_coords
+from .patch import resize_patch_embed
 from .pos_embed import (
     CombinedPosEmbed,
     PosContext,
@@ -16,12 +17,15 @@ from .pos_embed import (
     sincos_2d,
 )
 from .vit import Attention, Block, VisionTransformer
+from .interop import equip_timm_vit, load_timm_state_dict, vit_from_timm
 
 __version__ = "0.1.0"
 
 __all__ = [
     "COORD_MODES",
     "PatchGrid",
+    "CoordAugment",
+    "resize_patch_embed",
     "grid_coords",
     "PosEmbed",
     "PosContext",
@@ -39,4 +43,7 @@ __all__ = [
     "Attention",
     "Block",
     "VisionTransformer",
+    "equip_timm_vit",
+    "vit_from_timm",
+    "load_timm_state_dict",
 ]

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import yaml
 
-__all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "Config", "load_config", "apply_overrides"]
+__all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "Config", "load_config", "apply_overrides", "train_resolutions"]
 
 
 class ConfigError(ValueError):
@@ -32,6 +32,7 @@ class ModelConfig:
     num_reg_tokens: int = 0
     pool: str = "cls"  # "cls" or "mean"
     coord_mode: str = "interpolate"  # coordinates at new resolutions: "interpolate" or "extrapolate"
+    coord_aug: Dict[str, Any] = field(default_factory=dict)  # training-time {shift, rescale, jitter} (vitpe.CoordAugment)
     drop_rate: float = 0.0
     drop_path_rate: float = 0.1
 
@@ -63,6 +64,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eval_batch_size: int = 512
+    resolutions: Optional[List[int]] = None  # multi-resolution training: a size drawn per batch from this set
+    resolution_range: Optional[List[int]] = None  # ... or from every multiple of the patch size in [lo, hi]
     time_limit_min: Optional[float] = None  # stop cleanly (with a checkpoint) after this many minutes
 
 
@@ -140,8 +143,31 @@ def _validate(cfg: Config) -> None:
                        ("train.epochs", cfg.train.epochs), ("train.batch_size", cfg.train.batch_size)]:
         if value < 1:
             raise ConfigError(f"{key} must be at least 1, got {value}")
-    if cfg.model.img_size % cfg.model.patch_size:
-        raise ConfigError(f"model.img_size={cfg.model.img_size} is not divisible by model.patch_size={cfg.model.patch_size}")
+    p = cfg.model.patch_size
+    if cfg.model.img_size % p:
+        raise ConfigError(f"model.img_size={cfg.model.img_size} is not divisible by model.patch_size={p}")
+    if cfg.train.resolutions is not None and cfg.train.resolution_range is not None:
+        raise ConfigError("set train.resolutions or train.resolution_range, not both")
+    bad = [r for r in (cfg.train.resolutions or []) if r < p or r % p]
+    if bad or cfg.train.resolutions == []:
+        raise ConfigError(f"train.resolutions must be non-empty multiples of model.patch_size={p}, got {cfg.train.resolutions}")
+    rng = cfg.train.resolution_range
+    if rng is not None and (len(rng) != 2 or rng[0] > rng[1] or not train_resolutions(cfg)):
+        raise ConfigError(f"train.resolution_range must be [lo, hi] containing a multiple of model.patch_size={p}, got {rng}")
+    unknown = set(cfg.model.coord_aug) - {"shift", "rescale", "jitter"}
+    if unknown:
+        raise ConfigError(f"unknown key model.coord_aug.{sorted(unknown)[0]}; valid keys: shift, rescale, jitter")
+
+
+def train_resolutions(cfg: Config) -> List[int]:
+    """The input sizes training draws from (just model.img_size unless multi-resolution is on)."""
+    p = cfg.model.patch_size
+    if cfg.train.resolutions:
+        return sorted(set(cfg.train.resolutions))
+    if cfg.train.resolution_range:
+        lo, hi = cfg.train.resolution_range
+        return [r for r in range(max(p, -(-lo // p) * p), hi + 1, p)]
+    return [cfg.model.img_size]
 
 
 def load_config(path: Optional[str] = None) -> Config:
@@ -174,7 +200,7 @@ def apply_overrides(cfg: Config, overrides: List[str]) -> Config:
             if not isinstance(node.get(part), dict):
                 raise ConfigError(f"unknown config key {'.'.join(parts[: i + 1])}; valid keys: {', '.join(node)}")
             node = node[part]
-        if parts[-1] not in node and not (len(parts) > 2 and parts[-2].endswith("kwargs")):
+        if parts[-1] not in node and not (len(parts) > 2 and (parts[-2].endswith("kwargs") or parts[-2] == "coord_aug")):
             raise ConfigError(f"unknown config key {key}; valid keys: {', '.join('.'.join(parts[:-1] + [k]) for k in node)}")
         node[parts[-1]] = value
     return config_from_dict(data)

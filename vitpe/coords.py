@@ -8,10 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence, Tuple, Union
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["COORD_MODES", "grid_coords", "PatchGrid", "to_2tuple"]
+__all__ = ["COORD_MODES", "grid_coords", "PatchGrid", "CoordAugment", "to_2tuple"]
 
 COORD_MODES = ("interpolate", "extrapolate")
 CoordMode = Literal["interpolate", "extrapolate"]
@@ -115,3 +117,41 @@ class PatchGrid:
     def is_reference(self) -> bool:
         """True when the coordinates are exactly the reference grid's integer lattice."""
         return self.key is not None and self.size == self.ref and self.spacing == (1.0, 1.0)
+
+
+@dataclass(frozen=True)
+class CoordAugment:
+    """Random shift, rescale and aspect jitter of the patch coordinates while training, as DINOv3
+    (Simeoni et al. 2025) does for RoPE: the model learns that positions are relative and scale-free,
+    which helps at unseen resolutions. Off by default (all identities).
+
+    ``shift``: offset drawn uniformly in ``[-shift, shift]`` reference patches per axis.
+    ``rescale``: one factor drawn log-uniformly in ``[1/rescale, rescale]``, about the grid centre.
+    ``jitter``: a further per-axis factor drawn log-uniformly in ``[1/jitter, jitter]``.
+    One draw per batch (the PE tables are shared by the batch), from torch's global generator.
+    """
+
+    shift: float = 0.0
+    rescale: float = 1.0
+    jitter: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.shift < 0 or self.rescale < 1 or self.jitter < 1:
+            raise ValueError(f"coord_aug needs shift >= 0, rescale >= 1 and jitter >= 1, got {self}")
+
+    @property
+    def active(self) -> bool:
+        return self.shift > 0 or self.rescale > 1 or self.jitter > 1
+
+    def __call__(self, grid: PatchGrid) -> PatchGrid:
+        u = torch.rand(5, dtype=torch.float64)
+        scale = math.exp((2 * u[0].item() - 1) * math.log(self.rescale))
+        sx = scale * math.exp((2 * u[1].item() - 1) * math.log(self.jitter))
+        sy = scale * math.exp((2 * u[2].item() - 1) * math.log(self.jitter))
+        shift = (2 * u[3:5] - 1) * self.shift
+        c = grid.coords
+        centre = c.mean(0)
+        factor = torch.tensor([sx, sy], device=c.device, dtype=c.dtype)
+        coords = (c - centre) * factor + centre + shift.to(c.device, c.dtype)
+        spacing = None if grid.spacing is None else (grid.spacing[0] * sx, grid.spacing[1] * sy)
+        return PatchGrid(grid.size, grid.ref, coords, spacing, None)  # affine per axis: still a lattice

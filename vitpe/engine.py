@@ -62,16 +62,19 @@ def evaluate(
     size: Optional[Sequence[int]] = None,
     progress: bool = False,
     desc: str = "eval",
+    patch_size: Optional[int] = None,
 ) -> Dict[str, float]:
-    """Top-1, top-5 (when there are more than 5 classes) and mean cross-entropy over a split.
+    """Top-1, top-5 (when there are more than 5 classes), mean cross-entropy and per-class top-1 over a split.
 
-    ``images`` are uint8; ``size`` resizes each batch (antialiased) for data that cannot be rendered natively.
+    ``images`` are uint8; ``size`` resizes each batch (antialiased) for data that cannot be rendered natively;
+    ``patch_size`` runs a vitpe ViT with a resized patch embedding (FlexiViT).
     """
     from tqdm import tqdm
 
     was_training = model.training
     model.eval()
     n, loss, top1, top5 = 0, 0.0, 0, 0
+    hits = seen = None  # per-class counts
     batches = range(0, len(labels), batch_size)
     for s in tqdm(batches, desc=desc, leave=False, disable=not progress):
         x = images[s : s + batch_size]
@@ -80,16 +83,21 @@ def evaluate(
         x = normalize(x.to(device, non_blocking=True), mean, std)
         y = labels[s : s + batch_size].to(device)
         with autocast(device, dtype):
-            logits = model(x)
+            logits = model(x) if patch_size is None else model(x, patch_size=patch_size)
         logits = logits.float()
         loss += F.cross_entropy(logits, y, reduction="sum").item()
         k = min(5, logits.shape[1])
         topk = logits.topk(k, dim=1).indices
         top1 += (topk[:, 0] == y).sum().item()
         top5 += (topk == y[:, None]).any(1).sum().item()
+        c = logits.shape[1]
+        h = torch.bincount(y[topk[:, 0] == y], minlength=c).cpu()
+        t = torch.bincount(y, minlength=c).cpu()
+        hits, seen = (h, t) if hits is None else (hits + h, seen + t)
         n += len(y)
     model.train(was_training)
     out = {"top1": top1 / max(n, 1), "loss": loss / max(n, 1), "n": n}
     if logits.shape[1] > 5:
         out["top5"] = top5 / max(n, 1)
+    out["per_class_top1"] = (hits / seen.clamp_min(1)).tolist()
     return out

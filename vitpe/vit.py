@@ -14,7 +14,8 @@ from einops import rearrange
 from timm.layers import DropPath, Mlp, trunc_normal_
 from torch import Tensor, nn
 
-from .coords import COORD_MODES, PatchGrid, to_2tuple
+from .coords import COORD_MODES, CoordAugment, PatchGrid, to_2tuple
+from .patch import resize_patch_embed
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
 
 __all__ = ["Attention", "Block", "VisionTransformer"]
@@ -97,7 +98,9 @@ class VisionTransformer(nn.Module):
     ``img_size`` fixes the *reference grid* (``img_size // patch_size``) in whose units coordinates are
     measured; inputs of other sizes get a new grid and new coordinates (``coord_mode``: ``"interpolate"``
     keeps the reference extent, ``"extrapolate"`` extends it). ``pos_embed`` is a registry name or a
-    '+'-combination (``vitpe.list_pos_embeds()``), ``pos_embed_kwargs`` its options.
+    '+'-combination (``vitpe.list_pos_embeds()``), ``pos_embed_kwargs`` its options. ``coord_aug``
+    (``{"shift": .., "rescale": .., "jitter": ..}``, see :class:`CoordAugment`) perturbs the coordinates
+    in training mode only. ``forward(x, patch_size=p)`` runs with a FlexiViT-resized patch embedding.
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class VisionTransformer(nn.Module):
         num_reg_tokens: int = 0,
         pool: Literal["cls", "mean"] = "cls",
         coord_mode: Literal["interpolate", "extrapolate"] = "interpolate",
+        coord_aug: Optional[Dict[str, float]] = None,
         qkv_bias: bool = True,
         drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
@@ -138,6 +142,10 @@ class VisionTransformer(nn.Module):
         self.embed_dim, self.depth, self.num_heads, self.pool = embed_dim, depth, num_heads, pool
         self.ref_grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
         self.coord_mode = coord_mode
+        try:
+            self.coord_aug = CoordAugment(**(coord_aug or {}))
+        except TypeError:
+            raise ValueError(f"unknown coord_aug option in {coord_aug}; valid: shift, rescale, jitter") from None
         self.num_prefix_tokens = int(class_token) + num_reg_tokens
 
         self.patch_embed = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
@@ -185,10 +193,10 @@ class VisionTransformer(nn.Module):
         return skip | {f"pos_embed.{n}" for n, _ in self.pos_embed.named_parameters()}
 
     # ---- forward ---------------------------------------------------------------------------------
-    def grid_size(self, img_hw: Tuple[int, int]) -> Tuple[int, int]:
+    def grid_size(self, img_hw: Tuple[int, int], patch_size: Optional[int] = None) -> Tuple[int, int]:
         """Token grid of an input of size ``(H, W)``; ``ValueError`` if not a multiple of the patch."""
         h, w = img_hw
-        p = self.patch_size
+        p = patch_size or self.patch_size
         if h % p or w % p or h < p or w < p:
             fix = (max(p, round(h / p) * p), max(p, round(w / p) * p))
             raise ValueError(f"input size {h}x{w} is not a multiple of patch_size {p}; resize or crop it, e.g. to {fix[0]}x{fix[1]}")
@@ -206,15 +214,31 @@ class VisionTransformer(nn.Module):
                 f"convert the images or build the model with in_chans={x.shape[1]}"
             )
 
-    def embed(self, x: Tensor, grid: Optional[PatchGrid] = None) -> Tuple[Tensor, PosContext]:
+    def patchify(self, x: Tensor, patch_size: Optional[int] = None) -> Tensor:
+        """Patch embedding ``(B, C, H, W) -> (B, D, H/p, W/p)``; another ``patch_size`` PI-resizes the kernel."""
+        if patch_size is None or patch_size == self.patch_size:
+            return self.patch_embed(x)
+        weight = self.patch_embed.weight
+        key = (patch_size, weight.device, weight.dtype, weight._version)
+        if torch.is_grad_enabled() and weight.requires_grad:
+            resized = resize_patch_embed(weight, patch_size)  # training: rebuilt each step, gradients flow
+        else:
+            if getattr(self, "_flexi_cache", (None,))[0] != key:
+                self._flexi_cache = (key, resize_patch_embed(weight, patch_size))
+            resized = self._flexi_cache[1]
+        return F.conv2d(x, resized, self.patch_embed.bias, stride=patch_size)
+
+    def embed(self, x: Tensor, grid: Optional[PatchGrid] = None, patch_size: Optional[int] = None) -> Tuple[Tensor, PosContext]:
         """Patch tokens with prefix tokens, and the PE context for this input: ``(B, T, D)``."""
         self._check_input(x)
-        grid_hw = self.grid_size(x.shape[-2:])
+        grid_hw = self.grid_size(x.shape[-2:], patch_size)
         if grid is None:
             grid = self.patch_grid(grid_hw, x.device)
+            if self.training and self.coord_aug.active:
+                grid = self.coord_aug(grid)
         elif grid.size != grid_hw:
             raise ValueError(f"grid {grid.size} does not match the input's token grid {grid_hw}")
-        x = rearrange(self.patch_embed(x), "b d h w -> b (h w) d")  # (B, N, D)
+        x = rearrange(self.patchify(x, patch_size), "b d h w -> b (h w) d")  # (B, N, D)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         pos = self.pos_embed.context(grid, self.num_prefix_tokens, dtype)
         x = pos.add_tokens(x)
@@ -222,9 +246,9 @@ class VisionTransformer(nn.Module):
         x = torch.cat(prefix + [x], dim=1) if prefix else x
         return self.pos_drop(x), pos
 
-    def forward_features(self, x: Tensor, grid: Optional[PatchGrid] = None) -> Tensor:
+    def forward_features(self, x: Tensor, grid: Optional[PatchGrid] = None, patch_size: Optional[int] = None) -> Tensor:
         """``(B, C, H, W) -> (B, T, D)``, normalised, ``T = num_prefix_tokens + (H/p)(W/p)``."""
-        x, pos = self.embed(x, grid)
+        x, pos = self.embed(x, grid, patch_size)
         for i, blk in enumerate(self.blocks):
             x = pos.after_block(i, blk(x, pos, i))
         return self.norm(x)
@@ -234,6 +258,6 @@ class VisionTransformer(nn.Module):
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: Tensor, grid: Optional[PatchGrid] = None) -> Tensor:
-        """Logits ``(B, num_classes)`` for images of any size divisible by the patch size."""
-        return self.forward_head(self.forward_features(x, grid))
+    def forward(self, x: Tensor, grid: Optional[PatchGrid] = None, patch_size: Optional[int] = None) -> Tensor:
+        """Logits ``(B, num_classes)`` for images of any size divisible by the patch size (or ``patch_size``)."""
+        return self.forward_head(self.forward_features(x, grid, patch_size))

@@ -1,0 +1,126 @@
+"""Resolution robustness: FlexiViT patch resizing, coordinate augmentation, multi-resolution training."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import eval as eval_script
+import train as train_script
+import vitpe
+from vitpe.checkpoint import load_checkpoint
+from vitpe.config import ConfigError
+from vitpe.patch import resize_matrix, resize_patch_embed
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+
+
+@pytest.mark.parametrize("new", [6, 8, 13])
+def test_pi_resize_preserves_every_patch_response_when_upsampling(new):
+    w = torch.randn(5, 3, 4, 4, dtype=torch.float64)
+    w2 = resize_patch_embed(w, new)
+    x = torch.randn(7, 3, 4, 4, dtype=torch.float64)
+    x2 = (resize_matrix(4, new) @ x.reshape(7, 3, 16, 1)).reshape(7, 3, new, new)  # each patch resized
+    torch.testing.assert_close(torch.einsum("ncij,dcij->nd", x2, w2), torch.einsum("ncij,dcij->nd", x, w))
+    assert torch.equal(resize_patch_embed(w, 4), w)
+
+
+def test_resize_matrix_is_the_image_resize():
+    x = torch.randn(1, 1, 4, 4, dtype=torch.float64)
+    ref = F.interpolate(x, size=(8, 8), mode="bilinear", antialias=True, align_corners=False)
+    torch.testing.assert_close((resize_matrix(4, 8) @ x.flatten()).view(1, 1, 8, 8), ref)
+
+
+def test_patch_route_keeps_the_model_function():
+    torch.manual_seed(0)
+    m = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5, pos_embed="rope_mixed+rel_bias").eval()
+    x = torch.randn(2, 3, 16, 16)
+    # Upsample each 4x4 patch to 8x8 on its own: the 4x4 token grid is kept, every token is unchanged.
+    patches = x.unfold(2, 4, 4).unfold(3, 4, 4)  # (B, C, 4, 4, p, p)
+    up = (resize_matrix(4, 8).float() @ patches.reshape(*patches.shape[:4], 16, 1)).reshape(*patches.shape[:4], 8, 8)
+    x_up = up.permute(0, 1, 2, 4, 3, 5).reshape(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x_up, patch_size=8), m(x), atol=1e-4, rtol=1e-4)
+    out = m.train()(x_up, patch_size=8)
+    out.sum().backward()
+    assert m.patch_embed.weight.grad is not None  # patch-size training gets gradients too
+
+
+def test_coord_aug_is_off_by_default_and_only_in_training():
+    torch.manual_seed(0)
+    kw = dict(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=3, pos_embed="sincos2d")
+    plain = vitpe.VisionTransformer(**kw)
+    aug = vitpe.VisionTransformer(**kw, coord_aug={"shift": 2.0, "rescale": 1.5, "jitter": 1.2})
+    aug.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 3, 16, 16)
+    assert not plain.coord_aug.active and aug.coord_aug.active
+    with torch.no_grad():
+        torch.testing.assert_close(aug.eval()(x), plain.eval()(x))
+        assert not torch.allclose(aug.train()(x), plain.train()(x))
+    with pytest.raises(ValueError, match="unknown coord_aug option"):
+        vitpe.VisionTransformer(**kw, coord_aug={"zoom": 2})
+    with pytest.raises(ValueError, match="rescale >= 1"):
+        vitpe.CoordAugment(rescale=0.5)
+
+
+def test_a_shift_of_coordinates_leaves_rope_attention_unchanged():
+    """RoPE is relative: shifting every coordinate changes nothing; rescaling does. (Only without prefix
+    tokens: an unrotated cls token's attention to the patches sees their absolute rotation.)"""
+    torch.manual_seed(0)
+    kw = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3, pos_embed="rope_axial",
+              class_token=False, pool="mean")
+    m = vitpe.VisionTransformer(**kw, coord_aug={"shift": 3.0})
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        for b in m.blocks:  # at init attention is near uniform: give it a trained model's sharpness
+            b.attn.qkv.weight.mul_(20)
+        torch.testing.assert_close(m.train()(x), m.eval()(x), atol=1e-5, rtol=1e-5)
+        m.coord_aug = vitpe.CoordAugment(rescale=2.0)
+        rescaled, plain = m.train()(x), m.eval()(x)
+        assert (rescaled - plain).abs().max() > 1e-3 * plain.abs().max()
+
+
+def test_augmented_coordinates_stay_a_lattice_for_bias_encodings():
+    torch.manual_seed(0)
+    g = vitpe.PatchGrid.create((5, 6), (4, 4))
+    a = vitpe.CoordAugment(shift=1.0, rescale=1.3, jitter=1.2)(g)
+    assert a.key is None and a.spacing is not None
+    pe = vitpe.build_pos_embed("cpb+rel_bias", dim=32, num_heads=2, ref_grid=4)
+    torch.testing.assert_close(pe.bias(a), pe.bias(vitpe.PatchGrid.from_coords(a.coords, (5, 6), (4, 4))), atol=1e-5, rtol=1e-5)
+
+
+def test_multi_resolution_training_draws_sizes_per_batch(tmp_path, monkeypatch):
+    seen = []
+    real = vitpe.VisionTransformer.forward
+
+    def spy(self, x, *a, **k):
+        if self.training:
+            seen.append(x.shape[-1])
+        return real(self, x, *a, **k)
+
+    monkeypatch.setattr(vitpe.VisionTransformer, "forward", spy)
+    rc = train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "mr", "--set", "train.resolution_range=[8, 24]",
+                            "--set", "model.coord_aug={shift: 1.0}", "--pe", "rope_mixed"])
+    assert rc == 0 and set(seen) <= {8, 12, 16, 20, 24} and len(set(seen)) >= 3
+    cfg = load_checkpoint(tmp_path / "mr")["config"]
+    assert cfg["train"]["resolution_range"] == [8, 24] and cfg["model"]["coord_aug"] == {"shift": 1.0}
+
+
+def test_multi_resolution_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="multiples of model.patch_size=4"):
+        train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--set", "train.resolutions=[16, 18]"])
+    with pytest.raises(ConfigError, match="unknown key model.coord_aug.zoom"):
+        train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--set", "model.coord_aug.zoom=2"])
+
+
+def test_eval_patch_route(tmp_path):
+    assert train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "r", "--epochs", "1"]) == 0
+    out = tmp_path / "ev"
+    assert eval_script.main([str(tmp_path / "r"), "--resolutions", "16", "32", "--route", "both", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert {(r["route"], r["resolution"]) for r in rows} == {("coords", "16"), ("coords", "32"), ("patch", "16"), ("patch", "32")}
+    same = [r["top1"] for r in rows if r["resolution"] == "16"]
+    assert same[0] == same[1]  # at the training size both routes are the same model
+    with pytest.raises(ConfigError, match="keeps the 4x4 token grid"):
+        eval_script.main([str(tmp_path / "r"), "--resolutions", "18", "--route", "patch", "--out", str(tmp_path / "x")])
