@@ -63,9 +63,14 @@ def resolve_config(args: argparse.Namespace) -> Config:
     return apply_overrides(cfg, overrides)
 
 
+def safe_name(name: str) -> str:
+    """A run name usable as a directory name ('+', ':' and '/' become '_')."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+
+
 def new_run_dir(cfg: Config) -> Path:
     name = cfg.name or f"{cfg.data.name}-{cfg.model.pos_embed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run = Path(cfg.out_dir) / re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+    run = Path(cfg.out_dir) / safe_name(name)
     if run.exists():
         raise ConfigError(f"run directory {run} already exists; continue it with --resume {run}, or pick another --name")
     return run

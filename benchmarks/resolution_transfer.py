@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""The resolution-transfer study: train every PE family with one recipe, evaluate each at 0.5x-4x.
+
+    python benchmarks/resolution_transfer.py                       # shapes and Fashion-MNIST, every family
+    python benchmarks/resolution_transfer.py --data shapes --pes rope_mixed learned --epochs 4
+    python benchmarks/resolution_transfer.py --smoke               # seconds: checks the script still runs
+
+Runs go to OUT/runs/DATA-NAME (an existing run is reused, so an interrupted study resumes where it
+stopped); results to OUT/results.json, OUT/results.csv, OUT/table.md and OUT/DATA.png.
+Resolutions: each scale x training size, rounded to the nearest multiple of the patch size for the
+coordinate route, and to the nearest multiple of the token grid for the patch-resize (FlexiViT) route.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import eval as eval_script  # noqa: E402
+import train as train_script  # noqa: E402
+import vitpe  # noqa: E402
+from vitpe.checkpoint import model_from_checkpoint  # noqa: E402
+from vitpe.data import load_dataset  # noqa: E402
+from vitpe.engine import evaluate  # noqa: E402
+
+SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 4.0)
+CONFIGS = {"shapes": ROOT / "configs" / "shapes.yaml", "fashion_mnist": ROOT / "configs" / "fashion_mnist.yaml"}
+# Beyond the plain families: the configurations built for resolution robustness.
+ROBUST = {
+    "rope_mixed+multires": ["--pe", "rope_mixed", "--set", "train.resolution_range=[16, 64]"],
+    "sincos2d+multires": ["--pe", "sincos2d", "--set", "train.resolution_range=[16, 64]"],
+}
+
+
+def nearest(size: float, multiple: int) -> int:
+    return max(multiple, int(round(size / multiple)) * multiple)
+
+
+def train_one(data: str, name: str, extra: List[str], args, runs: Path) -> Path:
+    run = runs / train_script.safe_name(f"{data}-{name}")
+    if (run / "checkpoint.pt").is_file():
+        state = vitpe.checkpoint.load_checkpoint(run)
+        if state["epoch"] >= state["config"]["train"]["epochs"]:
+            print(f"[{data} {name}] reusing finished run {run}")
+            return run
+        print(f"[{data} {name}] resuming {run}")
+        rc = train_script.main(["--resume", str(run)])
+    else:
+        cmd = ["--config", str(args.config or CONFIGS[data]), "--out-dir", str(runs), "--name", run.name, *extra,
+               "--set", f"train.seed={args.seed}"]
+        for key, value in (("train.epochs", args.epochs), ("data.train_size", args.train_size), ("data.test_size", args.test_size)):
+            if value is not None:
+                cmd += ["--set", f"{key}={value}"]
+        for item in args.set:
+            cmd += ["--set", item]
+        rc = train_script.main(cmd)
+    if rc != 0:
+        raise SystemExit(f"training {run} failed with exit code {rc}")
+    return run
+
+
+def evaluate_run(run: Path, data: str, name: str, args) -> List[Dict]:
+    model, state = model_from_checkpoint(run)
+    cfg = state["config"]
+    size, patch = cfg["model"]["img_size"], model.patch_size
+    ref = model.ref_grid[0]
+    ds = load_dataset(cfg["data"]["name"], cfg["data"]["data_dir"], None, args.eval_size or cfg["data"]["test_size"])
+    rows = []
+    modes = ["interpolate", "extrapolate"] if name not in ("none", "peg") else ["interpolate"]  # both modes agree without coordinates
+    for scale in SCALES:
+        variants = [(m, "coords", nearest(scale * size, patch)) for m in modes]
+        variants.append(("interpolate", "patch", nearest(scale * size, ref)))
+        for mode, route, res in variants:
+            model.coord_mode = mode
+            images, labels = ds.split(False, (res, res))
+            t0 = time.time()
+            r = evaluate(model, images, labels, ds.mean, ds.std, 256, torch.device("cpu"), None,
+                         patch_size=res // ref if route == "patch" else None)
+            label = f"{name} ({mode})" if route == "coords" else f"{name} (patch resize)"
+            rows.append({"data": data, "pe": name, "coord_mode": mode, "route": route, "label": label, "scale": scale,
+                         "resolution": str(res), "height": res, "width": res, "train_size": size, "top1": r["top1"],
+                         "loss": r["loss"], "n": r["n"], "seconds": round(time.time() - t0, 2), "run": str(run)})
+            print(f"[{data} {name}] {label:<40} {res:>4}px ({scale}x): top-1 {100 * r['top1']:.2f}")
+    return rows
+
+
+def write_outputs(rows: List[Dict], out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    lines = []
+    for data in dict.fromkeys(r["data"] for r in rows):
+        sub = [r for r in rows if r["data"] == data]
+        lines += [f"### {data}", "", "| PE (coordinates / route) | " + " | ".join(f"{s}x" for s in SCALES) + " | 2x - 1x |",
+                  "| --- | " + " | ".join("---:" for _ in SCALES) + " | ---: |"]
+        for label in dict.fromkeys(r["label"] for r in sub):
+            cells = {r["scale"]: r for r in sub if r["label"] == label}
+            acc = [f"{100 * cells[s]['top1']:.1f} ({cells[s]['resolution']})" if s in cells else "-" for s in SCALES]
+            drop = 100 * (cells[2.0]["top1"] - cells[1.0]["top1"]) if 2.0 in cells and 1.0 in cells else float("nan")
+            lines.append(f"| {label} | " + " | ".join(acc) + f" | {drop:+.1f} |")
+        lines.append("")
+        eval_script.plot([r for r in sub if r["route"] == "coords" and r["coord_mode"] == "interpolate"] +
+                         [r for r in sub if r["label"].startswith(("rope_mixed", "cpb", "learned")) and r not in
+                          [x for x in sub if x["route"] == "coords" and x["coord_mode"] == "interpolate"]],
+                         out / f"{data}.png", f"top-1 against resolution, {data} (trained at {sub[0]['train_size']}px)")
+    (out / "table.md").write_text("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", nargs="+", default=["shapes", "fashion_mnist"], choices=list(CONFIGS))
+    p.add_argument("--pes", nargs="+", default=vitpe.list_pos_embeds() + list(ROBUST), help="families and/or robust configurations")
+    p.add_argument("--config", help="override the per-dataset config")
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--train-size", type=int)
+    p.add_argument("--test-size", type=int)
+    p.add_argument("--eval-size", type=int, default=1000, help="test images per evaluation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], help="extra config override for every run")
+    p.add_argument("--out", default=str(ROOT / "docs" / "resolution_transfer"))
+    p.add_argument("--smoke", action="store_true", help="tiny config, two PEs, shapes only: seconds")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.data, args.pes, args.config, args.eval_size = ["shapes"], ["learned", "rope_mixed+multires"], ROOT / "configs" / "tiny.yaml", 32
+        args.set = args.set + ["train.epochs=1"]
+    out = Path(args.out)
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    started, rows = time.time(), []
+    for data in args.data:
+        for name in args.pes:
+            extra = ROBUST.get(name, ["--pe", name])
+            if args.smoke and name in ROBUST:
+                extra = [e.replace("[16, 64]", "[8, 24]") for e in extra]
+            run = train_one(data, name, extra, args, runs)
+            rows += evaluate_run(run, data, name, args)
+            write_outputs(rows, out)  # after every run: a partial study is still readable
+    print(f"study done in {(time.time() - started) / 60:.1f} min: {out / 'table.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
