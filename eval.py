@@ -65,12 +65,9 @@ def default_resolutions(img_size: int, patch: int) -> List[Tuple[int, int]]:
 
 
 def plot(rows: List[Dict], path: Path, title: str) -> None:
-    import matplotlib
+    from vitpe.viz import finish_plot, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    fig, ax = pyplot().subplots(figsize=(7, 4.5), dpi=120)
     for label in dict.fromkeys(r["label"] for r in rows):
         pts = sorted((r["height"] * r["width"], r["top1"], r["resolution"]) for r in rows if r["label"] == label)
         ax.plot([p[0] ** 0.5 for p in pts], [100 * p[1] for p in pts], marker="o", label=label)
@@ -83,12 +80,7 @@ def plot(rows: List[Dict], path: Path, title: str) -> None:
     ax.minorticks_off()
     ax.set_xlabel("input resolution (dotted: training resolution)")
     ax.set_ylabel("top-1 accuracy (%)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    finish_plot(fig, ax, title, path)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

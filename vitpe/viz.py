@@ -106,7 +106,8 @@ def attention_distance(model: VisionTransformer, images: Tensor) -> Tensor:
 
 
 # ---- drawing ---------------------------------------------------------------------------------------
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,8 +116,18 @@ def _plt():
     return plt
 
 
+def finish_plot(fig, ax, title: str, path: Path) -> None:
+    """Title, grid, legend, and save: the common end of every line plot."""
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    pyplot().close(fig)
+
+
 def draw_matrix(mats: Dict[str, Tensor], title: str, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     panels = [(k, m[0] if k == "bias" else m) for k, m in mats.items()]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), dpi=110, squeeze=False)
     labels = {"tokens": ("dimension", "position (row-major)"), "bias": ("key position", "query position (head 0)"),
@@ -134,7 +145,7 @@ def draw_matrix(mats: Dict[str, Tensor], title: str, path: Path) -> None:
 
 
 def draw_maps(maps: Dict[str, Tensor], query: Tuple[int, int], title: str, path: Path, max_heads: int = 6) -> None:
-    plt = _plt()
+    plt = pyplot()
     panels = [(f"{k}" + (f" head {i}" if m.shape[0] > 1 else ""), m[i]) for k, m in maps.items() for i in range(min(m.shape[0], max_heads))]
     cols = min(len(panels), 4)
     rows = math.ceil(len(panels) / cols)
@@ -155,7 +166,7 @@ def draw_maps(maps: Dict[str, Tensor], query: Tuple[int, int], title: str, path:
 
 
 def draw_distance(results: Dict[str, Tensor], path: Path, title: str) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=110)
     for k, (label, d) in enumerate(results.items()):
         layers = torch.arange(d.shape[0]).float() + 1 + (k - (len(results) - 1) / 2) * 0.08
@@ -164,12 +175,7 @@ def draw_distance(results: Dict[str, Tensor], path: Path, title: str) -> None:
         ax.plot(layers, d.mean(1), color=f"C{k}", alpha=0.6)
     ax.set_xlabel("layer")
     ax.set_ylabel("mean attention distance (pixels)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    finish_plot(fig, ax, title, path)
 
 
 # ---- command line ------------------------------------------------------------------------------------
