@@ -115,6 +115,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if cfg.train.batch_size % world:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by the {world} processes")
+    if (cfg.data.mixup > 0 or cfg.data.cutmix > 0) and (cfg.train.batch_size // world) % 2:
+        raise ConfigError(f"mixup/cutmix pair images within a batch: train.batch_size per process ({cfg.train.batch_size // world}) must be even")
     dtype = amp_dtype(cfg.train.amp, device)
 
     # ---- data ------------------------------------------------------------------------------------

@@ -129,6 +129,8 @@ def test_config_errors_are_one_clear_line(tmp_path):
         train(tmp_path, "x", "--set", "train.epochs=many")
     with pytest.raises(ConfigError, match=r"data\.augment='sometimes' is not valid"):
         train(tmp_path, "x", "--set", "data.augment=sometimes")
+    with pytest.raises(ConfigError, match="must be even"):
+        train(tmp_path, "x", "--set", "data.mixup=0.8", "--set", "train.batch_size=31")
     with pytest.raises(ConfigError, match="config file nope.yaml not found"):
         train_script.main(["--config", "nope.yaml"])
     bad = tmp_path / "bad.yaml"
@@ -216,3 +218,13 @@ def test_torchrun_two_cpu_processes_match_one_process(tiny_run, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "cpu x2" in r.stdout
     assert_same_weights(weights(tmp_path / "ddp"), weights(tiny_run), exact=False)
+
+
+def test_full_recipe_mixup_cutmix_ema_trivialaugment(tmp_path):
+    rc = train(tmp_path, "recipe", "--epochs", "1", "--set", "data.mixup=0.8", "--set", "data.cutmix=1.0", "--set", "data.augment=trivial",
+               "--set", "train.ema_decay=0.9", "--set", "model.drop_path_rate=0.1", "--set", "train.amp=bf16")
+    assert rc == 0
+    state = load_checkpoint(tmp_path / "recipe")
+    assert state["ema"] is not None and state["ema"].keys() == state["model"].keys()
+    assert any(not torch.equal(state["ema"][k], state["model"][k]) for k in state["model"])  # EMA trails the weights
+    assert eval_script.main([str(tmp_path / "recipe"), "--resolutions", "16", "--out", str(tmp_path / "e")]) == 0
