@@ -1,0 +1,30 @@
+"""The benchmark scripts' seconds-long smoke modes, so that they do not rot between hand-run studies."""
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_resolution_transfer_smoke(tmp_path):
+    assert load("resolution_transfer").main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert {r["pe"] for r in rows} == {"learned", "rope_mixed+multires"}
+    assert {r["scale"] for r in rows} == {0.5, 0.75, 1.0, 1.5, 2.0, 4.0} and {r["route"] for r in rows} == {"coords", "patch"}
+    table = (tmp_path / "table.md").read_text()
+    assert "| learned (interpolate) |" in table and (tmp_path / "shapes.png").stat().st_size > 5000
+
+
+def test_speed_smoke(tmp_path):
+    assert load("speed").main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    steps = {r["step"] for r in rows}
+    assert {"train", "inference", "train (PE cost)", "matmul peak", "data loading"} <= steps
+    assert all(r["ratio_vitpe_over_timm"] > 0 for r in rows if "ratio_vitpe_over_timm" in r)
