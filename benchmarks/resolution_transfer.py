@@ -6,7 +6,8 @@
     python benchmarks/resolution_transfer.py --smoke               # seconds: checks the script still runs
 
 Runs go to OUT/runs/DATA-NAME (an existing run is reused, so an interrupted study resumes where it
-stopped); results to OUT/results.json, OUT/results.csv, OUT/table.md and OUT/DATA.png.
+stopped); results to OUT/results.json, OUT/results.csv, OUT/table.md and OUT/DATA.png, merged with the
+results already there (the (dataset, PE) pairs measured again are replaced).
 Resolutions: each scale x training size, rounded to the nearest multiple of the patch size for the
 coordinate route, and to the nearest multiple of the token grid for the patch-resize (FlexiViT) route.
 """
@@ -120,7 +121,7 @@ def write_outputs(rows: List[Dict], out: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", nargs="+", default=["shapes", "fashion_mnist"], choices=list(CONFIGS))
-    p.add_argument("--pes", nargs="+", default=vitpe.list_pos_embeds() + list(ROBUST), help="families and/or robust configurations")
+    p.add_argument("--pes", nargs="+", help="families and/or robust configurations (default: all of both)")
     p.add_argument("--config", help="override the per-dataset config")
     p.add_argument("--epochs", type=int)
     p.add_argument("--train-size", type=int)
@@ -132,11 +133,15 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny config, two PEs, shapes only: seconds")
     args = p.parse_args(argv)
     if args.smoke:
-        args.data, args.pes, args.config, args.eval_size = ["shapes"], ["learned", "rope_mixed+multires"], ROOT / "configs" / "tiny.yaml", 32
+        args.data, args.config, args.eval_size = ["shapes"], ROOT / "configs" / "tiny.yaml", 32
+        args.pes = args.pes or ["learned", "rope_mixed+multires"]
         args.set = args.set + ["train.epochs=1"]
+    args.pes = args.pes or vitpe.list_pos_embeds() + list(ROBUST)
     out = Path(args.out)
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
+    # Earlier results (other datasets or PEs) are kept; only the (data, pe) pairs measured now are replaced.
+    previous = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else []
     started, rows = time.time(), []
     for data in args.data:
         for name in args.pes:
@@ -145,7 +150,8 @@ def main(argv=None) -> int:
                 extra = [e.replace("[16, 64]", "[8, 24]") for e in extra]
             run = train_one(data, name, extra, args, runs)
             rows += evaluate_run(run, data, name, args)
-            write_outputs(rows, out)  # after every run: a partial study is still readable
+            done = {(r["data"], r["pe"]) for r in rows}
+            write_outputs([r for r in previous if (r["data"], r["pe"]) not in done] + rows, out)  # a partial study stays readable
     print(f"study done in {(time.time() - started) / 60:.1f} min: {out / 'table.md'}")
     return 0
 

@@ -20,6 +20,10 @@ def test_resolution_transfer_smoke(tmp_path):
     assert {r["scale"] for r in rows} == {0.5, 0.75, 1.0, 1.5, 2.0, 4.0} and {r["route"] for r in rows} == {"coords", "patch"}
     table = (tmp_path / "table.md").read_text()
     assert "| learned (interpolate) |" in table and (tmp_path / "shapes.png").stat().st_size > 5000
+    # A later invocation for other PEs adds to the results instead of replacing them (finished runs are reused).
+    assert load("resolution_transfer").main(["--smoke", "--out", str(tmp_path), "--pes", "learned"]) == 0
+    again = json.loads((tmp_path / "results.json").read_text())
+    assert {r["pe"] for r in again} == {"learned", "rope_mixed+multires"} and len(again) == len(rows)
 
 
 def test_speed_smoke(tmp_path):
