@@ -68,9 +68,11 @@ def plot(rows: List[Dict], path: Path, title: str) -> None:
     from vitpe.viz import finish_plot, pyplot
 
     fig, ax = pyplot().subplots(figsize=(7, 4.5), dpi=120)
-    for label in dict.fromkeys(r["label"] for r in rows):
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    colours = pyplot().get_cmap("tab20").colors if len(labels) > 10 else [f"C{i}" for i in range(10)]  # distinct past 10 lines
+    for i, label in enumerate(labels):
         pts = sorted((r["height"] * r["width"], r["top1"], r["resolution"]) for r in rows if r["label"] == label)
-        ax.plot([p[0] ** 0.5 for p in pts], [100 * p[1] for p in pts], marker="o", label=label)
+        ax.plot([p[0] ** 0.5 for p in pts], [100 * p[1] for p in pts], marker="o", label=label, color=colours[i % len(colours)])
     train_sizes = sorted({r["train_size"] for r in rows})
     for s in train_sizes:
         ax.axvline(s, color="grey", lw=0.8, ls=":")

@@ -120,7 +120,11 @@ def finish_plot(fig, ax, title: str, path: Path) -> None:
     """Title, grid, legend, and save: the common end of every line plot."""
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if len(ax.get_legend_handles_labels()[1]) > 6:  # many lines: legend beside the plot, not over it
+        fig.set_figwidth(fig.get_figwidth() + 3)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     pyplot().close(fig)
