@@ -52,7 +52,7 @@ def test_sdpa_path_equals_explicit_softmax(pe):
     x, pos = model.embed(torch.randn(2, 3, 16, 16))
     attn = model.blocks[1].attn
     with torch.no_grad():
-        q, k, v = attn._qkv(x, pos, 1)
+        _, _, v = attn._split(x)
         explicit = attn.proj(torch.einsum("bhqk,bhkd->bqhd", attn.attention_logits(x, pos, 1).softmax(-1), v).flatten(2))
         torch.testing.assert_close(attn(x, pos, 1), explicit, atol=1e-5, rtol=1e-5)
 

@@ -2,18 +2,29 @@
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
 from .coords import COORD_MODES, PatchGrid, Size2, to_2tuple
 from .pos_embed import PosContext, build_pos_embed
-from .vit import VisionTransformer
+from .vit import VisionTransformer, attend, compute_dtype
 
 __all__ = ["equip_timm_vit", "vit_from_timm", "load_timm_state_dict", "timm_to_vitpe_state_dict"]
+
+
+def _split_prefix_positions(pos: Tensor, n_cls: int, n_reg: int, no_embed_class: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Tensor]:
+    """timm's ``pos_embed`` ``(1, prefix + N, D)`` -> (cls position, register positions, patch positions).
+
+    timm adds the prefix slots to the cls/register tokens; vitpe gives prefix tokens no position, so those
+    slots are folded into the tokens themselves (``None`` where timm has none to fold).
+    """
+    if no_embed_class or not n_cls + n_reg:
+        return None, None, pos
+    prefix = pos[:, : n_cls + n_reg]
+    return (prefix[:, :n_cls] if n_cls else None), (prefix[:, n_cls:] if n_reg else None), pos[:, n_cls + n_reg :]
 
 
 def _check_timm_vit(model: nn.Module) -> None:
@@ -32,12 +43,8 @@ def _check_timm_vit(model: nn.Module) -> None:
 def _attend(attn: nn.Module, x: Tensor, pos: PosContext, layer: int) -> Tensor:
     """timm's Attention forward with the PE's rotation and bias applied (same weights, same maths)."""
     q, k, v = rearrange(attn.qkv(x), "b t (s h d) -> s b h t d", s=3, h=attn.num_heads).unbind(0)
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = pos.rotate(q, k, layer)
-    bias = None if pos.bias is None else pos.bias.to(q.dtype)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=attn.attn_drop.p if attn.training else 0.0)
-    out = attn.norm(rearrange(out, "b h t d -> b t (h d)"))
-    return attn.proj_drop(attn.proj(out))
+    out = attend(attn.q_norm(q), attn.k_norm(k), v, pos, layer, attn.attn_drop.p if attn.training else 0.0)
+    return attn.proj_drop(attn.proj(attn.norm(out)))
 
 
 def _vitpe_forward_features(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
@@ -51,8 +58,7 @@ def _vitpe_forward_features(self, x: Tensor, attn_mask: Optional[Tensor] = None,
     x = self.patch_embed(x)
     x = x.reshape(x.shape[0], -1, x.shape[-1]) if x.dim() == 4 else x  # NHWC (dynamic_img_size) or NLC
     grid = PatchGrid.create((h // ph, w // pw), self.vitpe_ref_grid, self.vitpe_coord_mode, device=x.device)
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    pos = self.vitpe_pos_embed.context(grid, self.num_prefix_tokens, dtype)
+    pos = self.vitpe_pos_embed.context(grid, self.num_prefix_tokens, compute_dtype(x))
     x = pos.add_tokens(x)
     prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
     x = torch.cat(prefix + [x], dim=1) if prefix else x
@@ -89,13 +95,12 @@ def equip_timm_vit(
     old = model.pos_embed
     if old is not None:
         with torch.no_grad():
-            if not model.no_embed_class and model.num_prefix_tokens:
-                prefix_pos = old[:, : model.num_prefix_tokens]  # timm adds these to the prefix tokens: fold them in
-                if model.cls_token is not None:
-                    model.cls_token.add_(prefix_pos[:, :1])
-                if model.reg_token is not None:
-                    model.reg_token.add_(prefix_pos[:, model.num_prefix_tokens - model.reg_token.shape[1] :])
-                old = old[:, model.num_prefix_tokens :]
+            n_reg = 0 if model.reg_token is None else model.reg_token.shape[1]
+            cls_pos, reg_pos, old = _split_prefix_positions(old, int(model.cls_token is not None), n_reg, model.no_embed_class)
+            if cls_pos is not None:
+                model.cls_token.add_(cls_pos)
+            if reg_pos is not None:
+                model.reg_token.add_(reg_pos)
             table = getattr(pe, "table", None)
             if pos_embed == "learned" and table is not None and old.shape[1] == ref[0] * ref[1]:
                 table.copy_(rearrange(old, "1 (h w) d -> 1 d h w", h=ref[0]))
@@ -127,14 +132,12 @@ def timm_to_vitpe_state_dict(sd: Dict[str, Tensor], grid: Size2, num_prefix_toke
         else:
             out[k] = v
     if "pos_embed" in sd:
-        pos = sd["pos_embed"]
-        if not no_embed_class and num_prefix_tokens:
-            prefix, pos = pos[:, :num_prefix_tokens], pos[:, num_prefix_tokens:]
-            n_cls = 1 if "cls_token" in out else 0
-            if n_cls:
-                out["cls_token"] = out["cls_token"] + prefix[:, :1]
-            if "reg_token" in out:
-                out["reg_token"] = out["reg_token"] + prefix[:, n_cls:]
+        n_cls = int("cls_token" in out)
+        cls_pos, reg_pos, pos = _split_prefix_positions(sd["pos_embed"], n_cls, num_prefix_tokens - n_cls, no_embed_class)
+        if cls_pos is not None:
+            out["cls_token"] = out["cls_token"] + cls_pos
+        if reg_pos is not None:
+            out["reg_token"] = out["reg_token"] + reg_pos
         if pos.shape[1] != h * w:
             raise ValueError(f"timm pos_embed has {pos.shape[1]} patch positions, expected {h}x{w}={h * w}")
         out["pos_embed.table"] = rearrange(pos, "1 (h w) d -> 1 d h w", h=h)

@@ -18,7 +18,23 @@ from .coords import COORD_MODES, CoordAugment, PatchGrid, to_2tuple
 from .patch import resize_patch_embed
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
 
-__all__ = ["Attention", "Block", "VisionTransformer"]
+__all__ = ["Attention", "Block", "VisionTransformer", "attend", "compute_dtype"]
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype activations will have: autocast's when it is on, else ``x``'s (PE tables are cast to it)."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, pos: Optional[PosContext], layer: int, dropout_p: float = 0.0) -> Tensor:
+    """Attention with the PE applied: rotate q and k, add the bias as a float mask, merge the heads.
+    ``q, k, v``: ``(B, H, T, hd)`` -> ``(B, T, H*hd)``. Shared by vitpe's and equipped timm attention."""
+    bias = None
+    if pos is not None:
+        q, k = pos.rotate(q, k, layer)
+        bias = None if pos.bias is None else pos.bias.to(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+    return rearrange(out, "b h t d -> b t (h d)")
 
 
 class Attention(nn.Module):
@@ -46,22 +62,18 @@ class Attention(nn.Module):
         self.proj = nn.Linear(inner, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def _qkv(self, x: Tensor, pos: Optional[PosContext], layer: int) -> Tuple[Tensor, Tensor, Tensor]:
-        q, k, v = rearrange(self.qkv(x), "b t (s h d) -> s b h t d", s=3, h=self.num_heads).unbind(0)  # (B, H, T, hd)
-        if pos is not None:
-            q, k = pos.rotate(q, k, layer)
-        return q, k, v
+    def _split(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        return rearrange(self.qkv(x), "b t (s h d) -> s b h t d", s=3, h=self.num_heads).unbind(0)  # (B, H, T, hd)
 
     def forward(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0) -> Tensor:
-        q, k, v = self._qkv(x, pos, layer)
-        bias = None if pos is None or pos.bias is None else pos.bias.to(q.dtype)
-        drop = self.attn_drop if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)
-        return self.proj_drop(self.proj(rearrange(out, "b h t d -> b t (h d)")))
+        out = attend(*self._split(x), pos, layer, self.attn_drop if self.training else 0.0)
+        return self.proj_drop(self.proj(out))
 
     def attention_logits(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0) -> Tensor:
         """The explicit (slow) path: ``q k^T / sqrt(d) + bias`` as ``(B, H, T, T)``, for inspection."""
-        q, k, _ = self._qkv(x, pos, layer)
+        q, k, _ = self._split(x)
+        if pos is not None:
+            q, k = pos.rotate(q, k, layer)
         logits = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
         return logits if pos is None or pos.bias is None else logits + pos.bias.to(logits.dtype)
 
@@ -239,8 +251,7 @@ class VisionTransformer(nn.Module):
         elif grid.size != grid_hw:
             raise ValueError(f"grid {grid.size} does not match the input's token grid {grid_hw}")
         x = rearrange(self.patchify(x, patch_size), "b d h w -> b (h w) d")  # (B, N, D)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        pos = self.pos_embed.context(grid, self.num_prefix_tokens, dtype)
+        pos = self.pos_embed.context(grid, self.num_prefix_tokens, compute_dtype(x))
         x = pos.add_tokens(x)
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
         x = torch.cat(prefix + [x], dim=1) if prefix else x

@@ -23,7 +23,7 @@ from .functional import rotate_pairs
 
 __all__ = ["PosEmbed", "PosContext"]
 
-_CACHE_SIZE = 8  # grids kept per PE; multi-resolution training cycles through a handful
+_CACHE_ENTRIES = 32  # cached tables per PE: multi-resolution training cycles through a handful of grids
 
 
 @dataclass
@@ -101,19 +101,21 @@ class PosEmbed(nn.Module):
         return x
 
     # ---- caching ---------------------------------------------------------------------------------
-    def memo(self, grid: PatchGrid, tag: str, fn: Callable[[], object]) -> object:
-        """Cache ``fn()`` for canonical grids. Use it only for values that do not need gradients."""
-        if grid.key is None:
+    def _cached(self, key: Optional[Hashable], fn: Callable[[], object]) -> object:
+        """``fn()``, remembered under ``key`` (least recently used evicted); ``key=None`` computes afresh."""
+        if key is None:
             return fn()
-        key = (tag, grid.key)
         if key in self._memo_store:
             self._memo_store.move_to_end(key)
             return self._memo_store[key]
-        value = fn()
-        self._memo_store[key] = value
-        while len(self._memo_store) > 4 * _CACHE_SIZE:
+        value = self._memo_store[key] = fn()
+        while len(self._memo_store) > _CACHE_ENTRIES:
             self._memo_store.popitem(last=False)
         return value
+
+    def memo(self, grid: PatchGrid, tag: str, fn: Callable[[], object]) -> object:
+        """Cache ``fn()`` for canonical grids. Use it only for values that do not need gradients."""
+        return self._cached(None if grid.key is None else (tag, grid.key), fn)
 
     def _param_state(self) -> Optional[tuple]:
         """Identity of the current parameter values, or None if the context must be rebuilt (training)."""
@@ -127,15 +129,7 @@ class PosEmbed(nn.Module):
         """Everything the blocks need for ``grid``, cached per (grid, device, dtype, parameter values)."""
         state = self._param_state() if grid.key is not None else None
         key = None if state is None else ("context", grid.key, num_prefix, dtype, state)
-        if key is not None and key in self._memo_store:
-            self._memo_store.move_to_end(key)
-            return self._memo_store[key]
-        ctx = self._build_context(grid, num_prefix, dtype)
-        if key is not None:
-            self._memo_store[key] = ctx
-            while len(self._memo_store) > 4 * _CACHE_SIZE:
-                self._memo_store.popitem(last=False)
-        return ctx
+        return self._cached(key, lambda: self._build_context(grid, num_prefix, dtype))
 
     def _build_context(self, grid: PatchGrid, num_prefix: int, dtype: torch.dtype) -> PosContext:
         tokens = self.tokens(grid)
