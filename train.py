@@ -68,10 +68,11 @@ def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
-def new_run_dir(cfg: Config) -> Path:
+def new_run_dir(cfg: Config, writer: bool = True) -> Path:
+    """The new run's directory; the process that writes it (rank 0) refuses one that exists."""
     name = cfg.name or f"{cfg.data.name}-{cfg.model.pos_embed}-{time.strftime('%Y%m%d-%H%M%S')}"
     run = Path(cfg.out_dir) / safe_name(name)
-    if run.exists():
+    if writer and run.exists():
         raise ConfigError(f"run directory {run} already exists; continue it with --resume {run}, or pick another --name")
     return run
 
@@ -91,8 +92,8 @@ def write_metrics(run: Path, rows: List[dict]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    distributed = world > 1
     log = print if rank == 0 else (lambda *a, **k: None)
 
     # ---- config and run directory ------------------------------------------------------------
@@ -104,7 +105,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         run = Path(args.resume) if Path(args.resume).is_dir() else Path(args.resume).parent
     else:
         state, cfg = None, resolve_config(args)
-        run = new_run_dir(cfg)
+        run = new_run_dir(cfg, writer=rank == 0)  # other ranks never write, and rank 0 may have made it already
 
     device = resolve_device(cfg.train.device)
     if distributed:
