@@ -228,3 +228,12 @@ def test_full_recipe_mixup_cutmix_ema_trivialaugment(tmp_path):
     assert state["ema"] is not None and state["ema"].keys() == state["model"].keys()
     assert any(not torch.equal(state["ema"][k], state["model"][k]) for k in state["model"])  # EMA trails the weights
     assert eval_script.main([str(tmp_path / "recipe"), "--resolutions", "16", "--out", str(tmp_path / "e")]) == 0
+
+
+def test_only_the_writing_rank_refuses_an_existing_run_directory(tiny_run):
+    from vitpe.config import apply_overrides, load_config
+
+    cfg = apply_overrides(load_config(TINY), [f"out_dir={tiny_run.parent}", "name=base"])
+    with pytest.raises(ConfigError, match="already exists"):
+        train_script.new_run_dir(cfg)
+    assert train_script.new_run_dir(cfg, writer=False) == tiny_run  # another rank: rank 0 may have just made it
