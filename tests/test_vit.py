@@ -106,3 +106,25 @@ def test_state_dict_round_trip_reproduces_random_fourier_features():
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(a(x), b(x))
+
+
+@pytest.mark.parametrize("pe", ["learned", "rel_bias", "rope_mixed", "peg", "sincos2d+cpb"])
+def test_class_token_fast_path_equals_the_full_forward(pe):
+    """forward() computes the last block for the class token only; logits and every gradient must match the
+    full forward_features path (peg conditions the last layer too, so the skipped tokens really are unused)."""
+    kwargs = {"layers": [0, 1]} if pe == "peg" else {}
+    torch.manual_seed(0)
+    m = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=24, depth=2, num_heads=2, num_classes=5, pos_embed=pe,
+                                pos_embed_kwargs=kwargs, num_reg_tokens=1)
+    x = torch.randn(3, 3, 16, 24)
+    fast = m(x)
+    fast.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    full = m.forward_head(m.forward_features(x))
+    full.square().sum().backward()
+    torch.testing.assert_close(fast, full)
+    for n, p in m.named_parameters():  # unused parameters: no gradient on the fast path, zeros on the full one
+        if p.grad is not None:
+            torch.testing.assert_close(grads.get(n, torch.zeros_like(p)), p.grad, msg=n)
+    assert "blocks.1.mlp.fc1.weight" in grads
