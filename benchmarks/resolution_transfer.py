@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 
 import eval as eval_script  # noqa: E402
 import train as train_script  # noqa: E402
 import vitpe  # noqa: E402
+from study_runs import train_or_reuse  # noqa: E402
 from vitpe.checkpoint import model_from_checkpoint  # noqa: E402
 from vitpe.data import load_dataset  # noqa: E402
 from vitpe.engine import evaluate  # noqa: E402
@@ -47,26 +48,13 @@ def nearest(size: float, multiple: int) -> int:
 
 
 def train_one(data: str, name: str, extra: List[str], args, runs: Path) -> Path:
-    run = runs / train_script.safe_name(f"{data}-{name}")
-    if (run / "checkpoint.pt").is_file():
-        state = vitpe.checkpoint.load_checkpoint(run)
-        if state["epoch"] >= state["config"]["train"]["epochs"]:
-            print(f"[{data} {name}] reusing finished run {run}")
-            return run
-        print(f"[{data} {name}] resuming {run}")
-        rc = train_script.main(["--resume", str(run)])
-    else:
-        cmd = ["--config", str(args.config or CONFIGS[data]), "--out-dir", str(runs), "--name", run.name, *extra,
-               "--set", f"train.seed={args.seed}"]
-        for key, value in (("train.epochs", args.epochs), ("data.train_size", args.train_size), ("data.test_size", args.test_size)):
-            if value is not None:
-                cmd += ["--set", f"{key}={value}"]
-        for item in args.set:
-            cmd += ["--set", item]
-        rc = train_script.main(cmd)
-    if rc != 0:
-        raise SystemExit(f"training {run} failed with exit code {rc}")
-    return run
+    cmd = ["--config", str(args.config or CONFIGS[data]), *extra, "--set", f"train.seed={args.seed}"]
+    for key, value in (("train.epochs", args.epochs), ("data.train_size", args.train_size), ("data.test_size", args.test_size)):
+        if value is not None:
+            cmd += ["--set", f"{key}={value}"]
+    for item in args.set:
+        cmd += ["--set", item]
+    return train_or_reuse(runs / train_script.safe_name(f"{data}-{name}"), cmd, f"{data} {name}")
 
 
 def evaluate_run(run: Path, data: str, name: str, args) -> List[Dict]:

@@ -32,3 +32,17 @@ def test_speed_smoke(tmp_path):
     steps = {r["step"] for r in rows}
     assert {"train", "inference", "train (PE cost)", "matmul peak", "data loading"} <= steps
     assert all(r["ratio_vitpe_over_timm"] > 0 for r in rows if "ratio_vitpe_over_timm" in r)
+
+
+def test_accuracy_smoke(tmp_path):
+    assert load("accuracy").main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "accuracy.json").read_text())
+    assert {(r["pe"], r["seed"]) for r in rows} == {("none", 0), ("none", 1), ("rope_mixed", 0), ("rope_mixed", 1)}
+    assert all(0 <= r["top1"] <= 1 and r["params"] > 0 and r["train_wall_s"] > 0 for r in rows)
+    table = (tmp_path / "pe_table.md").read_text()
+    assert "| rope_mixed |" in table and "±" in table and (tmp_path / "pe_table.png").stat().st_size > 5000
+    assert (tmp_path / "accuracy.csv").read_text().count("\n") == 5
+    # Seeds differ (different runs), and a second invocation reuses the finished runs instead of retraining.
+    assert len({r["run"] for r in rows}) == 4
+    assert load("accuracy").main(["--smoke", "--out", str(tmp_path), "--pes", "none"]) == 0
+    assert len(json.loads((tmp_path / "accuracy.json").read_text())) == 4

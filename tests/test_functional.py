@@ -165,3 +165,32 @@ def test_log_spaced_matches_swin_v2_table():
     table = torch.sign(table) * torch.log2(table.abs() + 1.0) / math.log2(8)
     ours = PF.log_spaced(PF.lattice_offsets((h, w), (1.0, 1.0)), (h, w))  # (dx, dy)
     torch.testing.assert_close(ours, table.flip(-1))
+
+
+def test_complex_rotation_equals_the_real_form_with_gradients():
+    """PosContext rotates float32 q/k as a complex product; it must equal rotate_pairs, gradients included,
+    on the strided q/k views that the fused qkv projection produces."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 5, 3 * 2 * 8, dtype=torch.float64, requires_grad=True)
+    angles = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)  # (H, T, hd/2)
+    outs = []
+    for fast in (True, False):
+        q = qkv.view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)[1]  # k: a non-contiguous (B, H, T, hd) view
+        cos, sin = angles.cos(), angles.sin()
+        out = vitpe.rotate_complex(q, torch.complex(cos, sin)) if fast else vitpe.rotate_pairs(q, cos, sin)
+        grads = torch.autograd.grad(out.sin().sum(), (qkv, angles))
+        outs.append((out, *grads))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+
+
+def test_rope_context_uses_the_complex_rotation_only_in_full_precision():
+    pe = vitpe.build_pos_embed("rope_mixed", dim=16, num_heads=2, ref_grid=(3, 3), depth=2)
+    grid = vitpe.PatchGrid.create((3, 3), (3, 3))
+    assert pe.context(grid, 1, torch.float32).rot.dtype == torch.complex64
+    assert pe.context(grid, 1, torch.bfloat16).rot is None
+    q = torch.randn(2, 2, 10, 8, dtype=torch.bfloat16)
+    ctx = pe.context(grid, 1, torch.bfloat16)
+    rq, _ = ctx.rotate(q, q, 1)
+    ref = vitpe.rotate_pairs(q.float(), ctx.cos[1].float(), ctx.sin[1].float())
+    torch.testing.assert_close(rq.float(), ref, atol=0.05, rtol=0.02)

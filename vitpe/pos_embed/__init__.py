@@ -10,6 +10,7 @@ from .functional import (
     relative_offsets,
     relative_position_index,
     rope_angles,
+    rotate_complex,
     rotate_pairs,
     sample_bias_table,
     sincos_1d,

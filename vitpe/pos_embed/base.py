@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..coords import PatchGrid, Size2, to_2tuple
-from .functional import rotate_pairs
+from .functional import rotate_complex, rotate_pairs
 
 __all__ = ["PosEmbed", "PosContext"]
 
@@ -41,6 +41,7 @@ class PosContext:
     bias: Optional[Tensor] = None
     cos: Optional[Tensor] = None
     sin: Optional[Tensor] = None
+    rot: Optional[Tensor] = None  # cos + i sin, for float32/float64: the faster complex-product rotation
     conditional: Optional["PosEmbed"] = None
     condition_layers: FrozenSet[int] = frozenset()
 
@@ -53,7 +54,9 @@ class PosContext:
         if self.cos is None:
             return q, k
         i = min(layer, self.cos.shape[0] - 1)
-        cos, sin = self.cos[i], self.sin[i]
+        if self.rot is not None and q.dtype == k.dtype == self.cos.dtype:
+            return rotate_complex(q, self.rot[i]), rotate_complex(k, self.rot[i])
+        cos, sin = self.cos[i], self.sin[i]  # half precision: complex32 arithmetic is not supported everywhere
         return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
 
     def after_block(self, layer: int, x: Tensor) -> Tensor:
@@ -145,6 +148,8 @@ class PosEmbed(nn.Module):
                 angles = angles.unsqueeze(0)
             angles = F.pad(angles, (0, 0, num_prefix, 0))  # prefix tokens: angle 0, the identity
             ctx.cos, ctx.sin = angles.cos().to(dtype), angles.sin().to(dtype)
+            if dtype in (torch.float32, torch.float64):
+                ctx.rot = torch.complex(ctx.cos, ctx.sin)
         return ctx
 
     def clear_cache(self) -> None:

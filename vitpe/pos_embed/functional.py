@@ -17,6 +17,7 @@ __all__ = [
     "sincos_2d",
     "fourier_features",
     "apply_rope",
+    "rotate_complex",
     "rotate_pairs",
     "axial_rope_freqs",
     "mixed_rope_freqs",
@@ -70,6 +71,14 @@ def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)  # (..., D/2) each
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+def rotate_complex(x: Tensor, rot: Tensor) -> Tensor:
+    """:func:`rotate_pairs` as one complex product: pair ``(x[..., 2i], x[..., 2i+1])`` is the complex number
+    ``x_2i + i x_2i+1`` and ``rot = cos + i sin`` (complex, broadcasting against ``x[..., ::2]``). Same result,
+    about half the time of the real form on CPU (forward and backward). Needs float32/float64 ``x`` whose last
+    dimension is contiguous, as q and k sliced from the fused qkv projection are."""
+    return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot).flatten(-2)
 
 
 def apply_rope(x: Tensor, angles: Tensor) -> Tensor:

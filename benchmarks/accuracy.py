@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""Accuracy on real data: the best Fashion-MNIST ViT a budget buys, and every PE family at equal budget.
+
+    python benchmarks/accuracy.py --suite fmnist                      # 15-min CPU recipe (configs/fashion_mnist_cpu.yaml)
+    python benchmarks/accuracy.py --suite fmnist --config configs/fashion_mnist.yaml   # the longer (GPU) recipe
+    python benchmarks/accuracy.py --suite pe --seeds 0 1              # every family x seeds, shapes and Fashion-MNIST
+    python benchmarks/accuracy.py --smoke                             # seconds: checks the script still runs
+
+Every number is the last epoch's test top-1 on the full test split (no best-epoch picking). Runs go to
+OUT/runs/ (a finished run is reused, an interrupted one resumed); results to OUT/accuracy.json and
+OUT/accuracy.csv (one row per run, merged with earlier rows), OUT/pe_table.md and OUT/pe_table.png
+(mean, sample standard deviation and every seed).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import torch  # noqa: E402
+
+import train as train_script  # noqa: E402
+import vitpe  # noqa: E402
+from study_runs import train_or_reuse  # noqa: E402
+from vitpe.checkpoint import load_checkpoint  # noqa: E402
+
+CONFIGS = ROOT / "configs"
+# The PE comparison: one recipe per dataset, only the PE changes. Budgets sized for 2 CPU cores (about a
+# minute per run); they rank the families at a short budget, which favours the fixed encodings.
+PE_RECIPES: Dict[str, List[str]] = {
+    "shapes": ["--config", str(CONFIGS / "shapes.yaml"), "--set", "train.epochs=3"],
+    "fashion_mnist": ["--config", str(CONFIGS / "fashion_mnist_cpu.yaml"), "--set", "train.epochs=1", "--set", "model.embed_dim=96",
+                      "--set", "model.depth=4", "--set", "model.num_heads=3", "--set", "train.warmup_epochs=0.2"],
+}
+SMOKE = ["--config", str(CONFIGS / "tiny.yaml"), "--set", "train.epochs=1"]
+
+
+def result_row(run: Path, suite: str, data: str, pe: str, seed: int) -> Dict:
+    state = load_checkpoint(run)
+    last = state["metrics"][-1]
+    params = sum(t.numel() for t in vitpe.VisionTransformer(**state["model_args"]).parameters())  # learned only, no buffers
+    cfg = state["config"]
+    return {"suite": suite, "data": data, "pe": pe, "seed": seed, "top1": last["test_top1"], "test_loss": last["test_loss"],
+            "params": params, "epochs": last["epoch"], "train_wall_s": round(last["wall_s"], 1),
+            "images_per_s": round(last["images_per_s"], 1), "model": cfg["model"], "recipe": {k: cfg[k] for k in ("data", "train")},
+            "device": str(cfg["train"]["device"]), "torch": torch.__version__, "run": str(run)}
+
+
+def write_outputs(rows: List[Dict], out: Path) -> None:
+    (out / "accuracy.json").write_text(json.dumps(rows, indent=1))
+    flat = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]
+    with open(out / "accuracy.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
+        w.writeheader()
+        w.writerows(flat)
+    pe_rows = [r for r in rows if r["suite"] == "pe"]
+    if pe_rows:
+        write_pe_table(pe_rows, out)
+
+
+def summarise(rows: List[Dict]) -> Dict[str, Dict[str, Dict]]:
+    """``{data: {pe: {mean, sd, seeds, n}}}`` in percent; sd is the sample standard deviation (0 for one seed)."""
+    table: Dict[str, Dict[str, Dict]] = {}
+    for data in dict.fromkeys(r["data"] for r in rows):
+        for pe in dict.fromkeys(r["pe"] for r in rows if r["data"] == data):
+            acc = [100 * r["top1"] for r in sorted(rows, key=lambda r: r["seed"]) if r["data"] == data and r["pe"] == pe]
+            table.setdefault(data, {})[pe] = {"mean": statistics.fmean(acc), "sd": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+                                              "seeds": acc, "n": len(acc)}
+    return table
+
+
+def write_pe_table(rows: List[Dict], out: Path) -> None:
+    table = summarise(rows)
+    datas = list(table)
+    pes = list(dict.fromkeys(pe for d in datas for pe in table[d]))
+    lines = ["| PE | " + " | ".join(f"{d}: mean ± sd (seeds)" for d in datas) + " |", "| --- |" + " ---: |" * len(datas)]
+    for pe in pes:
+        cells = []
+        for d in datas:
+            c = table[d].get(pe)
+            cells.append("-" if c is None else f"{c['mean']:.1f} ± {c['sd']:.1f} ({', '.join(f'{a:.1f}' for a in c['seeds'])})")
+        lines.append(f"| {pe} | " + " | ".join(cells) + " |")
+    (out / "pe_table.md").write_text("\n".join(lines) + "\n")
+
+    from vitpe.viz import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(datas), figsize=(5.5 * len(datas), 4), squeeze=False)
+    for ax, d in zip(axes[0], datas):
+        names = list(table[d])
+        for i, pe in enumerate(names):
+            c = table[d][pe]
+            ax.bar(i, c["mean"], color="#9ecae1" if pe != "none" else "#d9d9d9", yerr=c["sd"], capsize=3)
+            ax.plot([i] * c["n"], c["seeds"], "k.", ms=4)
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+        lo = min(min(c["seeds"]) for c in table[d].values())
+        ax.set_ylim(max(0.0, lo - 5), min(100.0, max(max(c["seeds"]) for c in table[d].values()) + 3))
+        ax.set_ylabel("test top-1 (%)")
+        ax.set_title(f"{d}: mean ± sd, dots = seeds")
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "pe_table.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", choices=["fmnist", "pe"], default="fmnist")
+    p.add_argument("--config", default=str(CONFIGS / "fashion_mnist_cpu.yaml"), help="fmnist suite: the recipe")
+    p.add_argument("--data", nargs="+", default=list(PE_RECIPES), choices=list(PE_RECIPES), help="pe suite: datasets")
+    p.add_argument("--pes", nargs="+", help="pe suite: families (default: every registered one)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--set", action="append", default=[], help="extra config override for every run")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    p.add_argument("--smoke", action="store_true", help="tiny config on shapes, two PEs, two seeds: seconds")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+
+    jobs = []  # (suite, data, pe, seed, train.py arguments)
+    if args.smoke:
+        args.suite = "pe"
+        for pe in args.pes or ["none", "rope_mixed"]:
+            jobs += [("pe", "shapes", pe, s, [*SMOKE, "--pe", pe]) for s in (0, 1)]
+    elif args.suite == "fmnist":
+        jobs = [("fmnist", "fashion_mnist", "", s, ["--config", args.config]) for s in args.seeds]
+    else:
+        for data in args.data:
+            for pe in args.pes or vitpe.list_pos_embeds():
+                jobs += [("pe", data, pe, s, [*PE_RECIPES[data], "--pe", pe]) for s in args.seeds]
+
+    previous = json.loads((out / "accuracy.json").read_text()) if (out / "accuracy.json").is_file() else []
+    started, rows = time.time(), []
+    for suite, data, pe, seed, cmd in jobs:
+        tag = Path(args.config).stem if suite == "fmnist" else f"{data}-{pe}"
+        name = train_script.safe_name(f"{suite}-{tag}-seed{seed}")
+        cmd = [*cmd, "--set", f"train.seed={seed}", *[x for item in args.set for x in ("--set", item)]]
+        run = train_or_reuse(runs / name, cmd, name)
+        row = result_row(run, suite, data, pe or load_checkpoint(run)["config"]["model"]["pos_embed"], seed)
+        row["recipe_name"] = tag if suite == "fmnist" else data
+        rows.append(row)
+        print(f"[{name}] top-1 {100 * row['top1']:.2f}% ({row['params'] / 1e6:.2f}M params, {row['train_wall_s'] / 60:.1f} min training)")
+        done = {r["run"] for r in rows}
+        write_outputs([r for r in previous if r["run"] not in done] + rows, out)  # a partial study stays readable
+    print(f"done in {(time.time() - started) / 60:.1f} min: {out / 'accuracy.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
