@@ -77,15 +77,44 @@ def timed(fn: Callable[[], None], iters: int, device: torch.device) -> float:
     return (time.perf_counter() - t) / iters
 
 
-def alternate(fns: Dict[str, Callable[[], None]], iters: int, rounds: int, device: torch.device) -> Dict[str, float]:
-    """Median seconds per call of each function, measured in turns."""
+def alternate(fns: Dict[str, Callable[[], None]], iters: int, rounds: int, device: torch.device) -> Dict[str, List[float]]:
+    """Seconds per call of each function in every round, measured in turns. The order rotates from round
+    to round so that no function always runs first (after the others warmed or cooled the caches)."""
     for fn in fns.values():  # warm-up (and compilation)
         timed(fn, 2, device)
+    names = list(fns)
     times: Dict[str, List[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            times[k].append(timed(fn, iters, device))
-    return {k: statistics.median(v) for k, v in times.items()}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            times[k].append(timed(fns[k], iters, device))
+    return times
+
+
+def ratio(times: Dict[str, List[float]], num: str, den: str) -> Dict[str, float]:
+    """``num``'s time over ``den``'s (den's speed relative to num's): the median of the per-round ratios and their range."""
+    r = [a / b for a, b in zip(times[num], times[den])]
+    return {"median": statistics.median(r), "min": min(r), "max": max(r)}
+
+
+def peak_memory_mib(fn: Callable[[], None], device: torch.device) -> float:
+    """Peak tensor memory of one call, in MiB: the CUDA allocator's peak, or on CPU the running sum of the
+    profiler's allocation and free events."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cur = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        cur += e.self_cpu_memory_usage
+        peak = max(peak, cur)
+    return peak / 2**20
 
 
 def flops_per_call(fn: Callable[[], None]) -> int:
@@ -122,23 +151,26 @@ def bench_device(device: torch.device, args) -> List[Dict]:
                 if compile_:
                     models = {k: torch.compile(m) for k, m in models.items()}
                 fns = {k: step_fn(m, x, y, dtype, train) for k, m in models.items()}
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                sec = alternate(fns, args.iters, args.rounds, device)
+                times = alternate(fns, args.iters, args.rounds, device)
+                sec = {k: statistics.median(v) for k, v in times.items()}
+                r = ratio(times, "timm", "vitpe")
                 row = {"device": str(device), "arch": arch_name, "mode": mode, "step": "train" if train else "inference", "batch": batch,
-                       **{f"{k}_img_s": batch / s for k, s in sec.items()}, "ratio_vitpe_over_timm": sec["timm"] / sec["vitpe"]}
+                       **{f"{k}_img_s": batch / s for k, s in sec.items()}, "ratio_vitpe_over_timm": r["median"],
+                       "ratio_range": [r["min"], r["max"]], "rounds": args.rounds,
+                       **{f"{k}_peak_mib": peak_memory_mib(fn, device) for k, fn in fns.items()}}
                 if train:
-                    flops = flops_per_call(fns["vitpe"])
-                    row["vitpe_tflop_s"] = flops / sec["vitpe"] / 1e12
+                    row["vitpe_tflop_s"] = flops_per_call(fns["vitpe"]) / sec["vitpe"] / 1e12
                 rows.append(row)
                 print(json.dumps(row))
         # The cost of each PE: training throughput relative to "none", same architecture, alternated.
         pes = vitpe.list_pos_embeds() + ["sincos2d+rope_mixed"]
         fns = {pe: step_fn(vitpe_vit(a, 10, pe).to(device), x, y, dtype, True) for pe in pes}
-        sec = alternate(fns, args.iters, args.rounds, device)
+        times = alternate(fns, args.iters, args.rounds, device)
         for pe in pes:
+            r = ratio(times, "none", pe)
             row = {"device": str(device), "arch": arch_name, "mode": "eager", "step": "train (PE cost)", "pe": pe,
-                   "img_s": batch / sec[pe], "ratio_over_none": sec["none"] / sec[pe]}
+                   "img_s": batch / statistics.median(times[pe]), "ratio_over_none": r["median"], "ratio_range": [r["min"], r["max"]],
+                   "rounds": args.rounds}
             rows.append(row)
             print(json.dumps(row))
     peak = matmul_peak(device, torch.bfloat16 if device.type == "cuda" else torch.float32, 512 if args.smoke else (8192 if device.type == "cuda" else 2048))
@@ -172,11 +204,41 @@ def bench_data(args) -> Dict:
         idx = torch.randint(len(labels), (batch,))
         train_on(normalize(aug(images[idx]), ds.mean, ds.std), labels[idx])
 
-    sec = alternate({"model_only": lambda: train_on(x0, y0), "end_to_end": end_to_end}, args.iters, args.rounds, torch.device("cpu"))
-    row = {"device": "cpu", "step": "data loading", "model_only_img_s": batch / sec["model_only"], "end_to_end_img_s": batch / sec["end_to_end"],
-           "ratio_end_to_end_over_model_only": sec["model_only"] / sec["end_to_end"]}
+    times = alternate({"model_only": lambda: train_on(x0, y0), "end_to_end": end_to_end}, args.iters, args.rounds, torch.device("cpu"))
+    r = ratio(times, "model_only", "end_to_end")
+    row = {"device": "cpu", "step": "data loading", "model_only_img_s": batch / statistics.median(times["model_only"]),
+           "end_to_end_img_s": batch / statistics.median(times["end_to_end"]), "ratio_end_to_end_over_model_only": r["median"],
+           "ratio_range": [r["min"], r["max"]], "rounds": args.rounds}
     print(json.dumps(row))
     return row
+
+
+def write_markdown(rows: List[Dict], meta: Dict, path: Path) -> None:
+    """The tables of docs/benchmarks.md, from speed.json's rows."""
+    peak = {r["device"]: r["tflop_s"] for r in rows if r["step"] == "matmul peak"}
+    lines = [f"torch {meta['torch']}, {meta['threads']} threads" + (f", {meta['cuda']}" if meta["cuda"] else ""), "",
+             "| device | architecture | mode | step | batch | timm img/s | vitpe img/s | vitpe/timm (range) | peak MiB timm / vitpe | vitpe TFLOP/s (% of matmul peak) |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if "ratio_vitpe_over_timm" in r:
+            lo, hi = r["ratio_range"]
+            flop = f"{r['vitpe_tflop_s']:.3f} ({100 * r['vitpe_tflop_s'] / peak[r['device']]:.0f}%)" if "vitpe_tflop_s" in r else "-"
+            lines.append(f"| {r['device']} | {r['arch']} | {r['mode']} | {r['step']} | {r['batch']} | {r['timm_img_s']:.1f} | {r['vitpe_img_s']:.1f} "
+                         f"| **{r['ratio_vitpe_over_timm']:.3f}** ({lo:.2f}-{hi:.2f}) | {r['timm_peak_mib']:.0f} / {r['vitpe_peak_mib']:.0f} | {flop} |")
+    lines += ["", "| device | architecture | PE | training img/s | over `none` (range) |", "| --- | --- | --- | ---: | ---: |"]
+    for r in rows:
+        if r["step"] == "train (PE cost)":
+            lo, hi = r["ratio_range"]
+            lines.append(f"| {r['device']} | {r['arch']} | {r['pe']} | {r['img_s']:.1f} | **{r['ratio_over_none']:.3f}** ({lo:.2f}-{hi:.2f}) |")
+    lines += [""]
+    for r in rows:
+        if r["step"] == "matmul peak":
+            lines.append(f"- matmul peak on {r['device']} ({r['dtype']}): {r['tflop_s']:.3f} TFLOP/s")
+        if r["step"] == "data loading":
+            lo, hi = r["ratio_range"]
+            lines.append(f"- data loading (CPU, crop+flip from the in-memory split): end-to-end {r['end_to_end_img_s']:.1f} img/s against "
+                         f"model-only {r['model_only_img_s']:.1f} img/s: **{r['ratio_end_to_end_over_model_only']:.3f}** ({lo:.2f}-{hi:.2f})")
+    path.write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -199,7 +261,8 @@ def main(argv=None) -> int:
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
     (out / "speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {out / 'speed.json'}")
+    write_markdown(rows, meta, out / "speed.md")
+    print(f"wrote {out / 'speed.json'} and {out / 'speed.md'}")
     return 0
 
 

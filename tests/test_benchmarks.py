@@ -31,7 +31,9 @@ def test_speed_smoke(tmp_path):
     rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
     steps = {r["step"] for r in rows}
     assert {"train", "inference", "train (PE cost)", "matmul peak", "data loading"} <= steps
-    assert all(r["ratio_vitpe_over_timm"] > 0 for r in rows if "ratio_vitpe_over_timm" in r)
+    assert all(r["ratio_vitpe_over_timm"] > 0 and r["vitpe_peak_mib"] > 0 and r["timm_peak_mib"] > 0 for r in rows if "ratio_vitpe_over_timm" in r)
+    md = (tmp_path / "speed.md").read_text()
+    assert "| rope_mixed |" in md and "matmul peak" in md and "data loading" in md
 
 
 def test_accuracy_smoke(tmp_path):
