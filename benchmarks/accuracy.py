@@ -140,7 +140,8 @@ def main(argv=None) -> int:
     previous = json.loads((out / "accuracy.json").read_text()) if (out / "accuracy.json").is_file() else []
     started, rows = time.time(), []
     for suite, data, pe, seed, cmd in jobs:
-        tag = Path(args.config).stem if suite == "fmnist" else f"{data}-{pe}"
+        # Overrides are part of the name: a finished run is reused by name, so other settings need another one.
+        tag = "-".join([Path(args.config).stem if suite == "fmnist" else f"{data}-{pe}", *args.set])
         name = train_script.safe_name(f"{suite}-{tag}-seed{seed}")
         cmd = [*cmd, "--set", f"train.seed={seed}", *[x for item in args.set for x in ("--set", item)]]
         run = train_or_reuse(runs / name, cmd, name)

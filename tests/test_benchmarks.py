@@ -48,3 +48,7 @@ def test_accuracy_smoke(tmp_path):
     assert len({r["run"] for r in rows}) == 4
     assert load("accuracy").main(["--smoke", "--out", str(tmp_path), "--pes", "none"]) == 0
     assert len(json.loads((tmp_path / "accuracy.json").read_text())) == 4
+    # Other settings make other runs: an override never silently reuses a run trained without it.
+    assert load("accuracy").main(["--smoke", "--out", str(tmp_path), "--pes", "none", "--set", "train.lr=0.01"]) == 0
+    rows = json.loads((tmp_path / "accuracy.json").read_text())
+    assert len(rows) == 6 and sum(r["recipe"]["train"]["lr"] == 0.01 for r in rows) == 2
