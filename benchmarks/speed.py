@@ -158,8 +158,10 @@ def bench_device(device: torch.device, args) -> List[Dict]:
                        **{f"{k}_img_s": batch / s for k, s in sec.items()}, "ratio_vitpe_over_timm": r["median"],
                        "ratio_range": [r["min"], r["max"]], "rounds": args.rounds,
                        **{f"{k}_peak_mib": peak_memory_mib(fn, device) for k, fn in fns.items()}}
-                if train:
-                    row["vitpe_tflop_s"] = flops_per_call(fns["vitpe"]) / sec["vitpe"] / 1e12
+                if train:  # achieved FLOP/s of each side's own step (vitpe skips work the head does not read)
+                    for k in fns:
+                        row[f"{k}_gflop_per_step"] = flops_per_call(fns[k]) / 1e9
+                        row[f"{k}_tflop_s"] = row[f"{k}_gflop_per_step"] / sec[k] / 1e3
                 rows.append(row)
                 print(json.dumps(row))
         # The cost of each PE: training throughput relative to "none", same architecture, alternated.
@@ -217,14 +219,18 @@ def write_markdown(rows: List[Dict], meta: Dict, path: Path) -> None:
     """The tables of docs/benchmarks.md, from speed.json's rows."""
     peak = {r["device"]: r["tflop_s"] for r in rows if r["step"] == "matmul peak"}
     lines = [f"torch {meta['torch']}, {meta['threads']} threads" + (f", {meta['cuda']}" if meta["cuda"] else ""), "",
-             "| device | architecture | mode | step | batch | timm img/s | vitpe img/s | vitpe/timm (range) | peak MiB timm / vitpe | vitpe TFLOP/s (% of matmul peak) |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| device | architecture | mode | step | batch | timm img/s | vitpe img/s | vitpe/timm (range) | peak MiB timm / vitpe "
+             "| GFLOP per step timm / vitpe | TFLOP/s timm / vitpe (% of matmul peak) |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if "ratio_vitpe_over_timm" in r:
             lo, hi = r["ratio_range"]
-            flop = f"{r['vitpe_tflop_s']:.3f} ({100 * r['vitpe_tflop_s'] / peak[r['device']]:.0f}%)" if "vitpe_tflop_s" in r else "-"
+            gflop, flop = "-", "-"
+            if "vitpe_tflop_s" in r:
+                gflop = f"{r['timm_gflop_per_step']:.1f} / {r['vitpe_gflop_per_step']:.1f}"
+                flop = " / ".join(f"{r[f'{k}_tflop_s']:.3f} ({100 * r[f'{k}_tflop_s'] / peak[r['device']]:.0f}%)" for k in ("timm", "vitpe"))
             lines.append(f"| {r['device']} | {r['arch']} | {r['mode']} | {r['step']} | {r['batch']} | {r['timm_img_s']:.1f} | {r['vitpe_img_s']:.1f} "
-                         f"| **{r['ratio_vitpe_over_timm']:.3f}** ({lo:.2f}-{hi:.2f}) | {r['timm_peak_mib']:.0f} / {r['vitpe_peak_mib']:.0f} | {flop} |")
+                         f"| **{r['ratio_vitpe_over_timm']:.3f}** ({lo:.2f}-{hi:.2f}) | {r['timm_peak_mib']:.0f} / {r['vitpe_peak_mib']:.0f} | {gflop} | {flop} |")
     lines += ["", "| device | architecture | PE | training img/s | over `none` (range) |", "| --- | --- | --- | ---: | ---: |"]
     for r in rows:
         if r["step"] == "train (PE cost)":
