@@ -48,7 +48,7 @@ def result_row(run: Path, suite: str, data: str, pe: str, seed: int) -> Dict:
     params = sum(t.numel() for t in vitpe.VisionTransformer(**state["model_args"]).parameters())  # learned only, no buffers
     cfg = state["config"]
     return {"suite": suite, "data": data, "pe": pe, "seed": seed, "top1": last["test_top1"], "test_loss": last["test_loss"],
-            "params": params, "epochs": last["epoch"], "train_wall_s": round(last["wall_s"], 1),
+            "params": params, "epochs": last["epoch"], "train_wall_s": last["wall_s"],
             "images_per_s": round(last["images_per_s"], 1), "model": cfg["model"], "recipe": {k: cfg[k] for k in ("data", "train")},
             "device": str(cfg["train"]["device"]), "torch": torch.__version__, "run": str(run)}
 
