@@ -31,7 +31,10 @@ def test_similarity_of_relative_structure_depends_only_on_the_offset(name, kind)
 def test_similarity_values():
     pe = vitpe.build_pos_embed("sincos2d", dim=64, num_heads=4, ref_grid=8)
     s = viz.pe_similarity(pe, 8, (3, 3))["tokens"][0]
-    assert s[3, 3].item() == pytest.approx(1.0) and s.max().item() == pytest.approx(1.0) and (s < 1).sum() == 63
+    # The query is most similar to itself (cosine 1 up to rounding, which differs between torch builds) and
+    # every other position is clearly less similar: the nearest neighbours sit near 0.93 on this grid.
+    assert s[3, 3].item() == pytest.approx(1.0, abs=1e-5) and s.argmax().item() == 3 * 8 + 3
+    assert (s < s[3, 3] - 1e-3).sum() == 63
     rb = vitpe.build_pos_embed("rel_bias", dim=64, num_heads=4, ref_grid=4)
     m = viz.pe_similarity(rb, 4, (0, 0))["bias"]
     table = rb.table.t().reshape(4, 7, 7)  # row = dy + 3: the query at (0, 0) sees keys at dy = -row
