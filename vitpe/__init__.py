@@ -17,8 +17,9 @@ from .pos_embed import (
     sincos_1d,
     sincos_2d,
 )
-from .vit import Attention, Block, VisionTransformer
-from .interop import equip_timm_vit, load_timm_state_dict, vit_from_timm
+from .vit import Attention, Block, LayerScale, VisionTransformer
+from . import timm_models  # registers vitpe_* architectures with timm.create_model
+from .interop import cpb_from_swinv2, equip_timm_vit, load_timm_state_dict, vit_from_timm
 
 __version__ = "0.1.0"
 
@@ -44,8 +45,10 @@ __all__ = [
     "relative_position_index",
     "Attention",
     "Block",
+    "LayerScale",
     "VisionTransformer",
     "equip_timm_vit",
     "vit_from_timm",
     "load_timm_state_dict",
+    "cpb_from_swinv2",
 ]

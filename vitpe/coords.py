@@ -77,7 +77,10 @@ class PatchGrid:
     ``coords`` is ``(h*w, 2)`` float32 ``(x, y)``. ``spacing`` is ``(sx, sy)`` when the coordinates form
     a uniform lattice (then relative offsets take only ``(2h-1)(2w-1)`` values, which the bias encodings
     exploit), else ``None``. ``key`` identifies canonical coordinates so that tables derived from them can
-    be cached; ``None`` (e.g. augmented coordinates) disables caching.
+    be cached; ``None`` (e.g. augmented coordinates) disables caching. ``mode`` is the coordinate mode the
+    grid was made in and ``affine`` the augmentation applied to it, ``(sx, sy, tx, ty)``: scale about the
+    grid centre, then shift. Together they let :meth:`in_mode` give the same grid in another mode (each
+    part of a combined PE may use its own); ``mode=None`` marks arbitrary coordinates.
     """
 
     size: Tuple[int, int]
@@ -85,6 +88,8 @@ class PatchGrid:
     coords: Tensor
     spacing: Optional[Tuple[float, float]] = None
     key: Optional[tuple] = None
+    mode: Optional[str] = None
+    affine: Optional[Tuple[float, float, float, float]] = None
 
     @classmethod
     def create(
@@ -99,7 +104,7 @@ class PatchGrid:
         coords = grid_coords(size, ref, mode, device=device)
         spacing = (_axis(size[1], ref[1], mode)[0], _axis(size[0], ref[0], mode)[0])
         key = (size, ref, mode, coords.device)
-        return cls(size, ref, coords, spacing, key)
+        return cls(size, ref, coords, spacing, key, mode)
 
     @classmethod
     def from_coords(cls, coords: Tensor, grid_size: Size2, ref_grid: Size2) -> "PatchGrid":
@@ -117,6 +122,30 @@ class PatchGrid:
     def is_reference(self) -> bool:
         """True when the coordinates are exactly the reference grid's integer lattice."""
         return self.key is not None and self.size == self.ref and self.spacing == (1.0, 1.0)
+
+    def transformed(self, sx: float, sy: float, tx: float, ty: float) -> "PatchGrid":
+        """Scale by ``(sx, sy)`` about the grid centre, then shift by ``(tx, ty)``: still a lattice, not cached."""
+        c = self.coords
+        centre = c.mean(0)
+        factor = torch.tensor([sx, sy], device=c.device, dtype=c.dtype)
+        coords = (c - centre) * factor + centre + torch.tensor([tx, ty], device=c.device, dtype=c.dtype)
+        spacing = None if self.spacing is None else (self.spacing[0] * sx, self.spacing[1] * sy)
+        if self.affine is not None:  # compose with an earlier augmentation
+            psx, psy, ptx, pty = self.affine
+            sx, sy, tx, ty = psx * sx, psy * sy, ptx + tx, pty + ty  # scaling about the centre keeps earlier shifts
+        return PatchGrid(self.size, self.ref, coords, spacing, None, self.mode, (sx, sy, tx, ty))
+
+    def in_mode(self, mode: Optional[str]) -> "PatchGrid":
+        """The same grid with its coordinates in coordinate mode ``mode`` (``None``: unchanged), augmentation kept."""
+        if mode is None or mode == self.mode:
+            return self
+        if self.mode is None:
+            raise ValueError(
+                f"a positional encoding with its own coord_mode={mode!r} needs a grid made by PatchGrid.create "
+                "(these coordinates were given directly); drop the part's coord_mode or build the grid with a mode"
+            )
+        grid = PatchGrid.create(self.size, self.ref, mode, device=self.coords.device)
+        return grid if self.affine is None else grid.transformed(*self.affine)
 
 
 @dataclass(frozen=True)
@@ -148,10 +177,5 @@ class CoordAugment:
         scale = math.exp((2 * u[0].item() - 1) * math.log(self.rescale))
         sx = scale * math.exp((2 * u[1].item() - 1) * math.log(self.jitter))
         sy = scale * math.exp((2 * u[2].item() - 1) * math.log(self.jitter))
-        shift = (2 * u[3:5] - 1) * self.shift
-        c = grid.coords
-        centre = c.mean(0)
-        factor = torch.tensor([sx, sy], device=c.device, dtype=c.dtype)
-        coords = (c - centre) * factor + centre + shift.to(c.device, c.dtype)
-        spacing = None if grid.spacing is None else (grid.spacing[0] * sx, grid.spacing[1] * sy)
-        return PatchGrid(grid.size, grid.ref, coords, spacing, None)  # affine per axis: still a lattice
+        tx, ty = ((2 * u[3:5] - 1) * self.shift).tolist()
+        return grid.transformed(sx, sy, tx, ty)  # affine per axis: still a lattice

@@ -1,18 +1,22 @@
-"""vitpe and timm: equip a timm ViT with any vitpe PE, and load timm ViT weights into vitpe's ViT."""
+"""vitpe and timm: equip a timm ViT with any vitpe PE, and load timm's ViT, DeiT-III, RoPE-ViT and Swin-V2
+position weights into vitpe.
+
+Which timm weights a PE can take is the PE's own answer (:meth:`vitpe.PosEmbed.from_timm`), never a guess
+from key names.
+"""
 from __future__ import annotations
 
 import types
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-from einops import rearrange
 from torch import Tensor, nn
 
 from .coords import COORD_MODES, PatchGrid, Size2, to_2tuple
-from .pos_embed import PosContext, build_pos_embed
+from .pos_embed import PosContext, PosEmbed, build_pos_embed
 from .vit import VisionTransformer, attend, compute_dtype
 
-__all__ = ["equip_timm_vit", "vit_from_timm", "load_timm_state_dict", "timm_to_vitpe_state_dict"]
+__all__ = ["equip_timm_vit", "vit_from_timm", "load_timm_state_dict", "timm_to_vitpe_state_dict", "cpb_from_swinv2"]
 
 
 def _split_prefix_positions(pos: Tensor, n_cls: int, n_reg: int, no_embed_class: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Tensor]:
@@ -25,6 +29,20 @@ def _split_prefix_positions(pos: Tensor, n_cls: int, n_reg: int, no_embed_class:
         return None, None, pos
     prefix = pos[:, : n_cls + n_reg]
     return (prefix[:, :n_cls] if n_cls else None), (prefix[:, n_cls:] if n_reg else None), pos[:, n_cls + n_reg :]
+
+
+def _is_eva(model: nn.Module) -> bool:
+    from timm.models.eva import Eva
+
+    return isinstance(model, Eva)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """A ``features_only=True`` model wraps the ViT (timm's FeatureGetterNet keeps it at ``.model``)."""
+    from timm.models.vision_transformer import VisionTransformer as TimmViT
+
+    inner = getattr(model, "model", None)
+    return inner if not isinstance(model, TimmViT) and isinstance(inner, TimmViT) else model
 
 
 def _check_timm_vit(model: nn.Module) -> None:
@@ -40,34 +58,59 @@ def _check_timm_vit(model: nn.Module) -> None:
             raise ValueError("gated attention is not supported by vitpe's PE injection")
 
 
-def _attend(attn: nn.Module, x: Tensor, pos: PosContext, layer: int) -> Tensor:
-    """timm's Attention forward with the PE's rotation and bias applied (same weights, same maths)."""
-    q, k, v = rearrange(attn.qkv(x), "b t (s h d) -> s b h t d", s=3, h=attn.num_heads).unbind(0)
-    out = attend(attn.q_norm(q), attn.k_norm(k), v, pos, layer, attn.attn_drop.p if attn.training else 0.0)
-    return attn.proj_drop(attn.proj(attn.norm(out)))
+# ---- a timm ViT with a vitpe PE ------------------------------------------------------------------------
+class _EquippedState:
+    """The PE context of the input now going through an equipped model, shared by its blocks. A plain attribute
+    of the model and of each block (not a closure), so ``copy.deepcopy`` (timm's EMA) copies it consistently."""
+
+    __slots__ = ("pos", "tokens")
+
+    def __init__(self) -> None:
+        self.pos: Optional[PosContext] = None
+        self.tokens = -1
 
 
-def _vitpe_forward_features(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
-    """Replacement for timm's ``VisionTransformer.forward_features`` once equipped with a vitpe PE."""
-    if attn_mask is not None or is_causal:
-        raise ValueError("a timm ViT equipped with a vitpe PE takes no attn_mask/is_causal")
-    h, w = x.shape[-2:]
-    ph, pw = self.patch_embed.patch_size
-    if h % ph or w % pw:
-        raise ValueError(f"input size {h}x{w} is not a multiple of the patch size {ph}x{pw}; resize or crop it")
-    x = self.patch_embed(x)
-    x = x.reshape(x.shape[0], -1, x.shape[-1]) if x.dim() == 4 else x  # NHWC (dynamic_img_size) or NLC
-    grid = PatchGrid.create((h // ph, w // pw), self.vitpe_ref_grid, self.vitpe_coord_mode, device=x.device)
+def _equipped_pos_embed(self, x: Tensor) -> Tensor:
+    """Replaces timm's ``_pos_embed``, which every forward path calls (``forward_features``,
+    ``forward_intermediates``, ``get_intermediate_layers``, features_only): ``(B, H, W, D)`` patch tokens ->
+    ``(B, T, D)`` with the PE's tokens and prefix tokens, and the context the blocks read."""
+    b, h, w, d = x.shape
+    grid = PatchGrid.create((h, w), self.vitpe_ref_grid, self.vitpe_coord_mode, device=x.device)
     pos = self.vitpe_pos_embed.context(grid, self.num_prefix_tokens, compute_dtype(x))
-    x = pos.add_tokens(x)
-    prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+    x = pos.add_tokens(x.reshape(b, h * w, d))
+    prefix = [t.expand(b, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
     x = torch.cat(prefix + [x], dim=1) if prefix else x
-    x = self.norm_pre(self.patch_drop(self.pos_drop(x)))
-    for i, blk in enumerate(self.blocks):
-        x = x + blk.drop_path1(blk.ls1(_attend(blk.attn, blk.norm1(x), pos, i)))
-        x = x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
-        x = pos.after_block(i, x)
-    return self.norm(x)
+    self._vitpe_state.pos, self._vitpe_state.tokens = pos, x.shape[1]
+    return self.pos_drop(x)
+
+
+def _equipped_attention(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False, **unused: Any) -> Tensor:
+    """timm's Attention forward with the PE's rotation and bias applied (same weights, same maths)."""
+    if attn_mask is not None or is_causal:
+        raise ValueError("a timm ViT equipped with a vitpe PE takes no attn_mask/is_causal (the PE gives the attention bias)")
+    state = self._vitpe_state
+    if state.pos is None or x.shape[1] != state.tokens:
+        raise RuntimeError(
+            "this block belongs to a timm ViT equipped with a vitpe PE: run it through the model "
+            "(forward, forward_features, forward_intermediates), which computes the PE for the input"
+        )
+    q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, T, hd)
+    out = attend(self.q_norm(q), self.k_norm(k), v, state.pos, self._vitpe_layer, self.attn_drop.p if self.training else 0.0)
+    return self.proj_drop(self.proj(self.norm(out)))
+
+
+def _equipped_block(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """A block after which a conditional PE (PEG) acts."""
+    x = type(self).forward(self, x, *args, **kwargs)
+    return self._vitpe_state.pos.after_block(self._vitpe_layer, x)
+
+
+def _load_pe_from_timm(pe: PosEmbed, weights: Dict[str, Tensor]) -> bool:
+    """Give ``pe`` the timm weights it can take; True if it took any."""
+    given = pe.from_timm(weights)
+    if given:
+        pe.load_state_dict({**pe.state_dict(), **given})
+    return bool(given)
 
 
 def equip_timm_vit(
@@ -79,123 +122,201 @@ def equip_timm_vit(
 ) -> nn.Module:
     """Give a timm ``VisionTransformer`` a vitpe positional encoding, in place; returns the model.
 
-    The timm model's own absolute table is removed (with ``pos_embed="learned"`` its patch part seeds
-    vitpe's table, and a class-token position is folded into the class token, so the function is
-    unchanged). Its ``forward``/``forward_features`` then compute the grid from the input, so the model
-    runs at any size divisible by the patch size, as a vitpe model does. ``ref_grid`` defaults to the
+    The timm model's own absolute table is removed (a PE that can take it, e.g. ``"learned"``, is seeded with
+    its patch part, and a class-token position is folded into the class token, so the function is unchanged).
+    Every forward path then runs with the PE on the grid of the actual input: ``forward``,
+    ``forward_features``, ``forward_intermediates``, ``get_intermediate_layers``, ``forward_head`` on their
+    output, and a ``features_only=True`` model (pass it, or its ``.model``). ``ref_grid`` defaults to the
     model's ``patch_embed.grid_size``. The PE lives at ``model.vitpe_pos_embed`` (saved in its state dict).
+    Attention masks and patch dropout are refused with a clear error.
     """
+    from timm.layers import Format
+
+    outer, model = model, _unwrap(model)
     _check_timm_vit(model)
     if coord_mode not in COORD_MODES:
         raise ValueError(f"unknown coord_mode {coord_mode!r}; expected one of {COORD_MODES}")
+    if not isinstance(getattr(model, "patch_drop", nn.Identity()), nn.Identity):
+        raise ValueError("this timm ViT drops patches (patch_drop_rate > 0), which vitpe's PE injection does not support; build it with patch_drop_rate=0")
+    if hasattr(model, "vitpe_pos_embed"):
+        raise ValueError("this timm ViT is already equipped with a vitpe PE; create a fresh model to equip it with another")
     ref = to_2tuple(ref_grid or tuple(model.patch_embed.grid_size), "ref_grid")
-    dim = model.embed_dim
-    pe = build_pos_embed(pos_embed, dim=dim, num_heads=model.blocks[0].attn.num_heads, ref_grid=ref, depth=len(model.blocks),
-                         **(pos_embed_kwargs or {}))
+    pe = build_pos_embed(pos_embed, dim=model.embed_dim, num_heads=model.blocks[0].attn.num_heads, ref_grid=ref,
+                         depth=len(model.blocks), **(pos_embed_kwargs or {}))
     old = model.pos_embed
     if old is not None:
         with torch.no_grad():
             n_reg = 0 if model.reg_token is None else model.reg_token.shape[1]
-            cls_pos, reg_pos, old = _split_prefix_positions(old, int(model.cls_token is not None), n_reg, model.no_embed_class)
+            cls_pos, reg_pos, patches = _split_prefix_positions(old, int(model.cls_token is not None), n_reg, model.no_embed_class)
             if cls_pos is not None:
                 model.cls_token.add_(cls_pos)
             if reg_pos is not None:
                 model.reg_token.add_(reg_pos)
-            table = getattr(pe, "table", None)
-            if pos_embed == "learned" and table is not None and old.shape[1] == ref[0] * ref[1]:
-                table.copy_(rearrange(old, "1 (h w) d -> 1 d h w", h=ref[0]))
+            if patches.shape[1] == ref[0] * ref[1]:
+                _load_pe_from_timm(pe, {"pos_embed": patches})
     model.pos_embed = None
+    # The patch embedding hands over (B, H, W, D), so the grid of every input is known.
     model.patch_embed.strict_img_size = False
+    model.patch_embed.flatten = False
+    model.patch_embed.output_fmt = Format.NHWC
+    model.dynamic_img_size = True
     model.vitpe_pos_embed = pe.to(next(model.parameters()).device)
     model.vitpe_ref_grid = ref
     model.vitpe_coord_mode = coord_mode
-    model.forward_features = types.MethodType(_vitpe_forward_features, model)
-    return model
+    model._vitpe_state = _EquippedState()
+    model._pos_embed = types.MethodType(_equipped_pos_embed, model)
+    conditioned = pe.condition_layers()
+    for i, blk in enumerate(model.blocks):
+        blk.attn._vitpe_state, blk.attn._vitpe_layer = model._vitpe_state, i
+        blk.attn.forward = types.MethodType(_equipped_attention, blk.attn)
+        if i in conditioned:
+            blk._vitpe_state, blk._vitpe_layer = model._vitpe_state, i
+            blk.forward = types.MethodType(_equipped_block, blk)
+    return outer
 
 
 # ---- timm weights -> vitpe.VisionTransformer ---------------------------------------------------------
-def timm_to_vitpe_state_dict(sd: Dict[str, Tensor], grid: Size2, num_prefix_tokens: int, no_embed_class: bool = False) -> Dict[str, Tensor]:
-    """Rename a timm ViT state dict for ``vitpe.VisionTransformer(pos_embed="learned")``.
+_PE_KEYS = ("pos_embed", "rope.freqs")  # timm's position weights, handed to the PE to take or leave
 
-    ``pos_embed`` ``(1, prefix + h*w, D)`` becomes the learned table ``(1, D, h, w)``; positions of
-    the prefix tokens are added to the tokens themselves (vitpe gives prefix tokens no position).
-    """
-    h, w = to_2tuple(grid, "grid")
-    out: Dict[str, Tensor] = {}
-    for k, v in sd.items():
-        if k == "patch_embed.proj.weight":
-            out["patch_embed.weight"] = v
-        elif k == "patch_embed.proj.bias":
-            out["patch_embed.bias"] = v
-        elif k == "pos_embed":
-            continue
-        else:
-            out[k] = v
-    if "pos_embed" in sd:
+
+def _rename(key: str) -> str:
+    """A timm ViT/Eva parameter name -> vitpe's."""
+    if key.startswith("patch_embed.proj."):
+        return "patch_embed." + key[len("patch_embed.proj."):]
+    for timm_name, ours in (("gamma_1", "ls1.gamma"), ("gamma_2", "ls2.gamma")):  # Eva's LayerScale
+        if key.startswith("blocks.") and key.endswith("." + timm_name):
+            return key[: -len(timm_name)] + ours
+    return key
+
+
+def split_timm_state_dict(sd: Dict[str, Tensor], num_prefix_tokens: int, no_embed_class: bool = False) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+    """A timm ViT/Eva state dict -> (vitpe names of everything but the PE, timm's PE weights for
+    :meth:`PosEmbed.from_timm`). Positions of prefix tokens are folded into the tokens (vitpe gives prefix
+    tokens no position); ``pos_embed`` keeps only the patch positions."""
+    out = {_rename(k): v for k, v in sd.items() if k not in _PE_KEYS}
+    pe = {k: sd[k] for k in _PE_KEYS if k in sd}
+    if "pos_embed" in pe:
         n_cls = int("cls_token" in out)
-        cls_pos, reg_pos, pos = _split_prefix_positions(sd["pos_embed"], n_cls, num_prefix_tokens - n_cls, no_embed_class)
+        cls_pos, reg_pos, pe["pos_embed"] = _split_prefix_positions(pe["pos_embed"], n_cls, num_prefix_tokens - n_cls, no_embed_class)
         if cls_pos is not None:
             out["cls_token"] = out["cls_token"] + cls_pos
         if reg_pos is not None:
             out["reg_token"] = out["reg_token"] + reg_pos
-        if pos.shape[1] != h * w:
-            raise ValueError(f"timm pos_embed has {pos.shape[1]} patch positions, expected {h}x{w}={h * w}")
-        out["pos_embed.table"] = rearrange(pos, "1 (h w) d -> 1 d h w", h=h)
+    return out, pe
+
+
+def timm_to_vitpe_state_dict(sd: Dict[str, Tensor], grid: Size2, num_prefix_tokens: int, no_embed_class: bool = False) -> Dict[str, Tensor]:
+    """Rename a timm ViT state dict for ``vitpe.VisionTransformer(pos_embed="learned")`` (table on ``grid``)."""
+    from .pos_embed import LearnedPosEmbed
+
+    out, pe_weights = split_timm_state_dict(sd, num_prefix_tokens, no_embed_class)
+    if "pos_embed" in pe_weights:
+        dim = pe_weights["pos_embed"].shape[-1]
+        out.update({f"pos_embed.{k}": v for k, v in LearnedPosEmbed(dim, 1, grid).from_timm(pe_weights).items()})
     return out
 
 
-def vit_from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
-    """A ``vitpe.VisionTransformer`` with the same architecture and weights as a timm ViT (learned APE;
-    ``pos_embed=...`` among ``overrides`` swaps in another PE with fresh parameters).
-
-    Supports the classic ViT/DeiT layout: fused qkv, class-token pooling with a final norm (or mean
-    pooling without ``fc_norm``), no LayerScale or qk-norm. Anything else raises ``ValueError``.
-    """
-    _check_timm_vit(timm_model)
-    m = timm_model
-    blk = m.blocks[0]
-    unsupported = []
-    if not isinstance(blk.ls1, nn.Identity):
-        unsupported.append("LayerScale (init_values)")
-    if not isinstance(blk.attn.q_norm, nn.Identity):
-        unsupported.append("qk_norm")
-    if not isinstance(m.fc_norm, nn.Identity):
-        unsupported.append("fc_norm")
-    if not isinstance(m.norm_pre, nn.Identity):
-        unsupported.append("pre-norm (norm_pre)")
-    if m.global_pool not in ("token", "avg"):
-        unsupported.append(f"global_pool={m.global_pool!r}")
-    if m.pos_embed is None:
-        unsupported.append("a model without an absolute pos_embed")
-    if unsupported:
-        raise ValueError(f"this timm ViT uses {', '.join(unsupported)}, which vitpe.VisionTransformer does not have")
-    patch = m.patch_embed.patch_size
-    if patch[0] != patch[1]:
-        raise ValueError(f"non-square patches {patch} are not supported")
-    args = dict(
-        img_size=tuple(m.patch_embed.img_size), patch_size=patch[0], in_chans=m.patch_embed.proj.in_channels,
-        num_classes=m.num_classes, embed_dim=m.embed_dim, depth=len(m.blocks), num_heads=blk.attn.num_heads,
-        mlp_ratio=blk.mlp.fc1.out_features / m.embed_dim, pos_embed="learned", class_token=m.cls_token is not None,
-        num_reg_tokens=0 if m.reg_token is None else m.reg_token.shape[1], pool="cls" if m.global_pool == "token" else "mean",
-        qkv_bias=blk.attn.qkv.bias is not None, norm_eps=blk.norm1.eps,
-    )
-    args.update(overrides)
-    model = VisionTransformer(**args)
-    load_timm_state_dict(model, m.state_dict(), no_embed_class=m.no_embed_class)
-    return model.to(next(m.parameters()).device).eval()
-
-
 def load_timm_state_dict(model: VisionTransformer, state_dict: Dict[str, Tensor], no_embed_class: bool = False) -> None:
-    """Load timm ViT weights into a vitpe ``VisionTransformer``.
+    """Load timm ViT (or RoPE-ViT Eva) weights into a vitpe ``VisionTransformer``.
 
-    With ``pos_embed="learned"`` timm's table becomes vitpe's; with any other PE the timm table is left
-    out and the PE keeps its own (fresh) parameters: everything else must match exactly.
+    The model's PE takes the timm position weights it can (:meth:`PosEmbed.from_timm`: a learned table,
+    RoPE-Mixed frequencies, Swin biases) and keeps its own parameters for the rest; everything else must
+    match exactly, or ``CheckpointError`` says what does not.
     """
     from .checkpoint import load_model_state
 
-    sd = timm_to_vitpe_state_dict(state_dict, model.ref_grid, model.num_prefix_tokens, no_embed_class)
-    own = model.state_dict()
-    if "pos_embed.table" not in own:
-        sd.pop("pos_embed.table", None)
-    sd.update({k: v for k, v in own.items() if k.startswith("pos_embed.") and k not in sd})
+    sd, pe_weights = split_timm_state_dict(state_dict, model.num_prefix_tokens, no_embed_class)
+    pe_state = {**model.pos_embed.state_dict(), **model.pos_embed.from_timm(pe_weights)}
+    sd.update({f"pos_embed.{k}": v for k, v in pe_state.items()})
     load_model_state(model, sd, "timm state dict")
+
+
+def _timm_pos_embed(m: nn.Module) -> Tuple[str, Dict[str, Any]]:
+    """The vitpe PE that computes what a timm model's position weights compute, with its options."""
+    from timm.layers import RotaryEmbeddingMixed
+
+    rope = getattr(m, "rope", None)
+    if rope is not None and not isinstance(rope, RotaryEmbeddingMixed):
+        raise ValueError(f"this timm model's rotary embedding ({type(rope).__name__}) has no vitpe equivalent yet; vitpe loads RoPE-Mixed (RotaryEmbeddingMixed)")
+    ape = m.pos_embed is not None
+    if rope is None:
+        return ("learned" if ape else "none"), {}
+    if not ape:
+        return "rope_mixed", {"coord_mode": "extrapolate"}
+    # RoPE-ViT's "+APE": the table is resized to the new grid (bicubic), RoPE keeps integer positions.
+    return "learned+rope_mixed", {"learned.coord_mode": "interpolate", "rope_mixed.coord_mode": "extrapolate"}
+
+
+def vit_from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
+    """A ``vitpe.VisionTransformer`` with the same architecture, weights and function as a timm model, at
+    the training size and at new sizes.
+
+    Takes timm's ``VisionTransformer`` (ViT, DeiT, DeiT-III with LayerScale, register tokens) with a learned
+    table or none, and timm's ``Eva`` ports of RoPE-ViT (``vit_*_patch16_rope_mixed_ape_224`` and
+    ``vit_*_patch16_rope_mixed_224``): RoPE-Mixed frequencies, the learned table resized bicubically and RoPE
+    extrapolated, as the RoPE-ViT reference does. ``pos_embed=...`` among ``overrides`` swaps in another PE;
+    it takes whatever timm weights it can and starts the rest fresh. Anything vitpe's ViT does not have
+    (qk-norm, fc_norm, SwiGLU, ...) raises ``ValueError`` naming it.
+    """
+    from timm.layers import Mlp
+
+    m = _unwrap(timm_model)
+    eva = _is_eva(m)
+    if not eva:
+        _check_timm_vit(m)
+    blk = m.blocks[0]
+    attn = blk.attn
+    identity = lambda mod: mod is None or isinstance(mod, nn.Identity)  # noqa: E731
+    layer_scale = getattr(blk, "gamma_1", None) is not None if eva else not identity(getattr(blk, "ls1", None))
+    unsupported = []
+    if getattr(attn, "qkv", None) is None or getattr(attn, "q_bias", None) is not None:
+        unsupported.append("separate q/k/v projections")
+    if not (identity(getattr(attn, "q_norm", None)) and identity(getattr(attn, "k_norm", None))):
+        unsupported.append("qk_norm")
+    if not identity(getattr(attn, "norm", None)):
+        unsupported.append("a norm inside attention")
+    if not identity(getattr(m, "fc_norm", None)):
+        unsupported.append("fc_norm")
+    if not identity(getattr(m, "norm_pre", None)):
+        unsupported.append("pre-norm (norm_pre)")
+    if type(blk.mlp) is not Mlp or not isinstance(blk.mlp.act, nn.GELU):
+        unsupported.append(f"a {type(blk.mlp).__name__} MLP (vitpe's is Mlp with GELU)")
+    if m.global_pool not in ("token", "avg"):
+        unsupported.append(f"global_pool={m.global_pool!r}")
+    if unsupported:
+        raise ValueError(f"this timm model uses {', '.join(unsupported)}, which vitpe.VisionTransformer does not have")
+    patch = m.patch_embed.patch_size
+    if patch[0] != patch[1]:
+        raise ValueError(f"non-square patches {patch} are not supported")
+    pos_embed, pos_kwargs = _timm_pos_embed(m)
+    reg = getattr(m, "reg_token", None)
+    args = dict(
+        img_size=tuple(m.patch_embed.img_size), patch_size=patch[0], in_chans=m.patch_embed.proj.in_channels,
+        num_classes=m.num_classes, embed_dim=m.embed_dim, depth=len(m.blocks), num_heads=attn.num_heads,
+        mlp_ratio=blk.mlp.fc1.out_features / m.embed_dim, pos_embed=pos_embed, pos_embed_kwargs=pos_kwargs,
+        class_token=m.cls_token is not None, num_reg_tokens=0 if reg is None else reg.shape[1],
+        pool="cls" if m.global_pool == "token" else "mean", qkv_bias=attn.qkv.bias is not None, norm_eps=blk.norm1.eps,
+        init_values=1.0 if layer_scale else None,  # the value is loaded below
+    )
+    if "pos_embed" in overrides and "pos_embed_kwargs" not in overrides:
+        args["pos_embed_kwargs"] = {}
+    args.update(overrides)
+    model = VisionTransformer(**args)
+    load_timm_state_dict(model, m.state_dict(), no_embed_class=getattr(m, "no_embed_class", False))
+    return model.to(next(m.parameters()).device).eval()
+
+
+def cpb_from_swinv2(window_attention: nn.Module) -> PosEmbed:
+    """vitpe's ``"cpb"`` with the weights of a Swin-V2 window attention (timm's ``WindowAttention`` in
+    ``swin_transformer_v2``): the same bias ``(heads, N, N)`` on its window and, in extrapolate mode, on
+    larger or smaller windows normalised by its pretraining window, as timm's ``set_window_size`` does.
+    The MLP's input columns are swapped from Swin's ``(dy, dx)`` to vitpe's ``(dx, dy)``."""
+    a = window_attention
+    if not hasattr(a, "cpb_mlp"):
+        raise ValueError(f"expected a Swin-V2 window attention with a cpb_mlp, got {type(a).__name__}")
+    pretrained = tuple(a.pretrained_window_size)
+    ref = pretrained if pretrained[0] > 0 else tuple(a.window_size)
+    hidden, heads = a.cpb_mlp[0].out_features, a.cpb_mlp[-1].out_features
+    pe = build_pos_embed("cpb", dim=heads, num_heads=heads, ref_grid=ref, hidden_dim=hidden, coord_mode="extrapolate")
+    _load_pe_from_timm(pe, {k: v for k, v in a.state_dict().items() if k.startswith("cpb_mlp.")})
+    return pe.to(a.cpb_mlp[0].weight.device)

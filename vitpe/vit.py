@@ -6,7 +6,7 @@ the actual input, and hands that context to every block. No block knows which PE
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Literal, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,7 @@ from .coords import COORD_MODES, CoordAugment, PatchGrid, to_2tuple
 from .patch import resize_patch_embed
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
 
-__all__ = ["Attention", "Block", "VisionTransformer", "attend", "compute_dtype"]
+__all__ = ["Attention", "Block", "LayerScale", "VisionTransformer", "attend", "compute_dtype", "take_indices"]
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -85,8 +85,20 @@ class Attention(nn.Module):
         return logits if pos is None or pos.bias is None else logits + pos.bias.to(logits.dtype)
 
 
+class LayerScale(nn.Module):
+    """Per-channel learned scale of a residual branch (CaiT, Touvron et al. 2021; DeiT-III), timm's ``gamma``."""
+
+    def __init__(self, dim: int, init_values: float = 1e-5) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + DropPath(Attn(LN(x)))``, then ``x + DropPath(MLP(LN(x)))``."""
+    """Pre-norm transformer block: ``x + DropPath(LS(Attn(LN(x))))``, then ``x + DropPath(LS(MLP(LN(x))))``;
+    LayerScale only with ``init_values`` (DeiT-III, RoPE-ViT), else the plain ViT block."""
 
     def __init__(
         self,
@@ -98,20 +110,39 @@ class Block(nn.Module):
         attn_drop: float = 0.0,
         drop_path: float = 0.0,
         norm_eps: float = 1e-6,
+        init_values: Optional[float] = None,
     ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
         self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
+        self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=drop)
+        self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
 
     def forward(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0, num_queries: Optional[int] = None) -> Tensor:
         """``(B, T, dim) -> (B, Q, dim)``; ``num_queries=Q`` computes only the first Q tokens' outputs (they
         still attend to every token), e.g. the class token in the last block when the head reads only it."""
         shortcut = x if num_queries is None else x[:, :num_queries]
-        x = shortcut + self.drop_path(self.attn(self.norm1(x), pos, layer, num_queries))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+        x = shortcut + self.drop_path(self.ls1(self.attn(self.norm1(x), pos, layer, num_queries)))
+        return x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))
+
+
+def take_indices(depth: int, indices: Optional[Union[int, Sequence[int]]]) -> List[int]:
+    """Block indices to return features of, as timm counts them: ``None`` all, an int ``n`` the last ``n``,
+    a sequence those blocks (negative counts from the end). Out of range is a ``ValueError``."""
+    if indices is None:
+        return list(range(depth))
+    if isinstance(indices, int):
+        if not 0 < indices <= depth:
+            raise ValueError(f"indices={indices} asks for the last {indices} of {depth} blocks; give 1..{depth}")
+        return list(range(depth - indices, depth))
+    out = [i + depth if i < 0 else i for i in indices]
+    bad = [i for i, j in zip(indices, out) if not 0 <= j < depth]
+    if bad:
+        raise ValueError(f"block indices {bad} are out of range for a model of depth {depth}")
+    return sorted(set(out))
 
 
 class VisionTransformer(nn.Module):
@@ -123,6 +154,8 @@ class VisionTransformer(nn.Module):
     '+'-combination (``vitpe.list_pos_embeds()``), ``pos_embed_kwargs`` its options. ``coord_aug``
     (``{"shift": .., "rescale": .., "jitter": ..}``, see :class:`CoordAugment`) perturbs the coordinates
     in training mode only. ``forward(x, patch_size=p)`` runs with a FlexiViT-resized patch embedding.
+    ``init_values`` adds LayerScale to every block (DeiT-III, RoPE-ViT). ``forward_intermediates`` and
+    ``feature_info`` follow timm's feature-extraction interface (``timm.create_model("vitpe_...", features_only=True)``).
     """
 
     def __init__(
@@ -147,6 +180,7 @@ class VisionTransformer(nn.Module):
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         norm_eps: float = 1e-6,
+        init_values: Optional[float] = None,
     ) -> None:
         super().__init__()
         self.img_size = to_2tuple(img_size, "img_size")
@@ -179,8 +213,10 @@ class VisionTransformer(nn.Module):
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth grows with depth
         self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], norm_eps) for i in range(depth)
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], norm_eps, init_values)
+            for i in range(depth)
         )
+        self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=patch_size) for i in range(depth)]
         self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
@@ -267,19 +303,71 @@ class VisionTransformer(nn.Module):
         x = torch.cat(prefix + [x], dim=1) if prefix else x
         return self.pos_drop(x), pos
 
+    def run_blocks(self, x: Tensor, pos: PosContext, stop: Optional[int] = None, num_queries: Optional[int] = None) -> Iterator[Tensor]:
+        """The one block loop: yields the tokens after each block (and its conditional PE), through block ``stop``
+        (default: the last). ``num_queries=Q`` computes only the first Q tokens' outputs in the last block run."""
+        last = len(self.blocks) - 1 if stop is None else stop
+        for i, blk in enumerate(self.blocks[: last + 1]):
+            if i == last and num_queries is not None:
+                yield blk(x, pos, i, num_queries)  # conditioning after it would touch only the patch tokens dropped here
+            else:
+                x = pos.after_block(i, blk(x, pos, i))
+                yield x
+
     def forward_features(
         self, x: Tensor, grid: Optional[PatchGrid] = None, patch_size: Optional[int] = None, num_queries: Optional[int] = None
     ) -> Tensor:
         """``(B, C, H, W) -> (B, T, D)``, normalised, ``T = num_prefix_tokens + (H/p)(W/p)``. With ``num_queries=Q``
         the last block computes only the first Q tokens' outputs, ``(B, Q, D)``: all a class-token head reads."""
         x, pos = self.embed(x, grid, patch_size)
-        last = len(self.blocks) - 1
-        for i, blk in enumerate(self.blocks):
-            if i == last and num_queries is not None:
-                x = blk(x, pos, i, num_queries)  # conditioning after it would touch only the patch tokens dropped here
-            else:
-                x = pos.after_block(i, blk(x, pos, i))
+        for x in self.run_blocks(x, pos, num_queries=num_queries):
+            pass
         return self.norm(x)
+
+    def forward_intermediates(
+        self,
+        x: Tensor,
+        indices: Optional[Union[int, Sequence[int]]] = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        grid: Optional[PatchGrid] = None,
+        patch_size: Optional[int] = None,
+    ) -> Union[List[Tensor], Tuple[Tensor, List[Any]]]:
+        """Features after the blocks in ``indices`` (timm's meaning: None all, n the last n, or a list), as timm's
+        ``forward_intermediates``: ``NCHW`` maps ``(B, D, H/p, W/p)`` or ``NLC`` tokens, each ``(patches, prefix)``
+        with ``return_prefix_tokens``. Returns ``(final features, intermediates)``, or only the intermediates."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take = take_indices(len(self.blocks), indices)
+        hw = self.grid_size(x.shape[-2:], patch_size) if x.dim() == 4 else None
+        x, pos = self.embed(x, grid, patch_size)
+        p = self.num_prefix_tokens
+        out = []
+        stop = take[-1] if stop_early or intermediates_only else None
+        for i, x in enumerate(self.run_blocks(x, pos, stop)):
+            if i in take:
+                y = self.norm(x) if norm else x
+                patches = y[:, p:]
+                if output_fmt == "NCHW":
+                    patches = rearrange(patches, "b (h w) d -> b d h w", h=hw[0], w=hw[1]).contiguous()
+                out.append((patches, y[:, :p]) if return_prefix_tokens else patches)
+        return out if intermediates_only else (self.norm(x), out)
+
+    def prune_intermediate_layers(
+        self, indices: Optional[Union[int, Sequence[int]]] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> List[int]:
+        """Drop the blocks after the last of ``indices`` (timm's feature-extraction interface); returns the indices."""
+        take = take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: take[-1] + 1]
+        self.feature_info = self.feature_info[: take[-1] + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.head = nn.Identity()
+        return take
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         x = x[:, 0] if self.pool == "cls" else x[:, self.num_prefix_tokens :].mean(dim=1)

@@ -1,10 +1,11 @@
 """Absolute encodings added to the patch tokens: none, sin-cos, Fourier features, learned table."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor, nn
 from timm.layers import trunc_normal_
 
@@ -122,3 +123,13 @@ class LearnedPosEmbed(PosEmbed):
             self.table, norm.view(1, 1, -1, 2).to(self.table.dtype), mode="bicubic", padding_mode="border", align_corners=False
         )  # (1, dim, 1, N)
         return out[0, :, 0].t()
+
+    def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """timm's ``pos_embed`` (ViT, DeiT, RoPE-ViT "+APE") becomes the table."""
+        pos = weights.get("pos_embed")
+        if pos is None:
+            return {}
+        h, w = self.ref_grid
+        if tuple(pos.shape) != (1, h * w, self.dim):
+            raise ValueError(f"timm pos_embed {tuple(pos.shape)} does not fit a learned table of {h}x{w} positions and dim {self.dim}")
+        return {"table": rearrange(pos, "1 (h w) d -> 1 d h w", h=h)}

@@ -7,12 +7,15 @@ A PE answers up to four questions about a :class:`~vitpe.coords.PatchGrid`; the 
 - ``bias(grid)``: ``(heads, N, N)`` added to the attention logits (relative encodings);
 - ``rope_angles(grid)``: ``(L|1, heads|1, N, head_dim/2)`` rotation angles for q and k (rotary);
 - ``condition(layer, x, grid)``: a function of the tokens themselves after block ``layer`` (conditional).
+
+Every PE also takes the option ``coord_mode`` (``None``: the model's): a part of a combination may read
+its coordinates in its own mode, as RoPE-ViT's "+APE" models interpolate the table and extrapolate RoPE.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, ClassVar, FrozenSet, Hashable, Optional, Tuple
+from typing import Callable, ClassVar, Dict, FrozenSet, Hashable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +88,7 @@ class PosEmbed(nn.Module):
         self.dim, self.num_heads, self.depth = dim, num_heads, depth
         self.head_dim = dim // num_heads
         self.ref_grid = to_2tuple(ref_grid, "ref_grid")
+        self.coord_mode: Optional[str] = None  # set by build_pos_embed(..., coord_mode=...); None: the grid's own
         self._memo_store: "OrderedDict[Hashable, object]" = OrderedDict()
 
     # ---- hooks -----------------------------------------------------------------------------------
@@ -102,6 +106,17 @@ class PosEmbed(nn.Module):
 
     def condition(self, layer: int, x: Tensor, grid: PatchGrid) -> Tensor:
         return x
+
+    def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """The entries of this PE's state dict that a timm model's PE weights give (``{}``: none; the PE then
+        keeps its own). ``weights`` uses timm's names: ``pos_embed`` ``(1, h*w, D)`` (patch positions only),
+        ``rope.freqs`` (RoPE-ViT), ``relative_position_bias_table`` (Swin), ``cpb_mlp.*`` (Swin-V2). A weight
+        that is meant for this PE but does not fit it raises ``ValueError``. The PE decides, never a key name."""
+        return {}
+
+    def own_grid(self, grid: PatchGrid) -> PatchGrid:
+        """``grid`` in this PE's own coordinate mode, if it has one."""
+        return grid.in_mode(self.coord_mode)
 
     # ---- caching ---------------------------------------------------------------------------------
     def _cached(self, key: Optional[Hashable], fn: Callable[[], object]) -> object:
@@ -135,9 +150,10 @@ class PosEmbed(nn.Module):
         return self._cached(key, lambda: self._build_context(grid, num_prefix, dtype))
 
     def _build_context(self, grid: PatchGrid, num_prefix: int, dtype: torch.dtype) -> PosContext:
-        tokens = self.tokens(grid)
-        bias = self.bias(grid)
-        angles = self.rope_angles(grid)
+        own = self.own_grid(grid)
+        tokens = self.tokens(own)
+        bias = self.bias(own)
+        angles = self.rope_angles(own)
         ctx = PosContext(grid, num_prefix, conditional=self, condition_layers=self.condition_layers())
         if tokens is not None:
             ctx.tokens = tokens.to(dtype)
@@ -160,4 +176,5 @@ class PosEmbed(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_heads={self.num_heads}, ref_grid={self.ref_grid}"
+        mode = "" if self.coord_mode is None else f", coord_mode={self.coord_mode}"
+        return f"dim={self.dim}, num_heads={self.num_heads}, ref_grid={self.ref_grid}{mode}"

@@ -1,7 +1,7 @@
 """Relative encodings added to the attention logits: Swin's bias table and Swin-V2's continuous bias."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -64,6 +64,15 @@ class RelativePositionBias(PosEmbed):
         offsets, index = _offsets_and_index(self, grid)
         return _spread(sample_bias_table(self.table, offsets.to(self.table.device), self.ref_grid, self.interpolation), index)
 
+    def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """Swin's ``relative_position_bias_table``: vitpe indexes it exactly as Swin does."""
+        table = weights.get("relative_position_bias_table")
+        if table is None:
+            return {}
+        if table.shape != self.table.shape:
+            raise ValueError(f"Swin relative_position_bias_table {tuple(table.shape)} does not fit rel_bias {tuple(self.table.shape)}")
+        return {"table": table}
+
 
 @register_pos_embed("cpb")
 class ContinuousPositionBias(PosEmbed):
@@ -83,3 +92,15 @@ class ContinuousPositionBias(PosEmbed):
         weight = self.mlp[0].weight
         table = self.memo(grid, "log", lambda: log_spaced(offsets, self.ref_grid)) if index is not None else log_spaced(offsets, self.ref_grid)
         return 16 * torch.sigmoid(_spread(self.mlp(table.to(weight.device, weight.dtype)), index))
+
+    def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """Swin-V2's ``cpb_mlp``. Its input columns are ``(dy, dx)``, vitpe's ``(dx, dy)``: the first layer's
+        columns are swapped, so the same MLP sees the same offsets."""
+        if "cpb_mlp.0.weight" not in weights:
+            return {}
+        out = {"mlp.0.weight": weights["cpb_mlp.0.weight"][:, [1, 0]], "mlp.0.bias": weights["cpb_mlp.0.bias"], "mlp.2.weight": weights["cpb_mlp.2.weight"]}
+        own = dict(self.mlp.state_dict())
+        bad = [f"{k} {tuple(v.shape)} vs {tuple(own[k[4:]].shape)}" for k, v in out.items() if v.shape != own[k[4:]].shape]
+        if bad:
+            raise ValueError(f"Swin-V2 cpb_mlp does not fit this cpb (hidden_dim, num_heads): {bad[0]}")
+        return out

@@ -1,16 +1,17 @@
 """The one registry of positional encodings: names, options, and ``a+b`` combinations."""
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Type
 
 import torch
 from torch import Tensor, nn
 
-from ..coords import PatchGrid, Size2
+from ..coords import COORD_MODES, PatchGrid, Size2
 from .base import PosEmbed
 
-__all__ = ["register_pos_embed", "list_pos_embeds", "build_pos_embed", "pos_embed_options", "CombinedPosEmbed"]
+__all__ = ["register_pos_embed", "list_pos_embeds", "build_pos_embed", "pos_embed_options", "CombinedPosEmbed", "did_you_mean"]
 
 _REGISTRY: Dict[str, Type[PosEmbed]] = {}
 _COMMON = ("self", "dim", "num_heads", "ref_grid", "depth")
@@ -29,21 +30,30 @@ def register_pos_embed(name: str) -> Callable[[Type[PosEmbed]], Type[PosEmbed]]:
     return wrap
 
 
+def did_you_mean(name: object, valid: List[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the valid name nearest to a mistyped one, else ``""``."""
+    close = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def list_pos_embeds() -> List[str]:
     """Registered encoding names, in registration order. Combine them with '+', e.g. 'sincos2d+rope_mixed'."""
     return list(_REGISTRY)
 
 
 def pos_embed_options(name: str) -> Dict[str, Any]:
-    """The options one registered encoding accepts, with their defaults."""
+    """The options one registered encoding accepts, with their defaults. Every encoding takes ``coord_mode``
+    (``None``: the model's), the coordinate mode of this encoding alone."""
     cls = _lookup(name)
     sig = inspect.signature(cls.__init__)
-    return {k: p.default for k, p in sig.parameters.items() if k not in _COMMON}
+    return {**{k: p.default for k, p in sig.parameters.items() if k not in _COMMON}, "coord_mode": None}
 
 
 def _lookup(name: str) -> Type[PosEmbed]:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown positional encoding {name!r}; valid names: {', '.join(_REGISTRY)} (combine with '+')")
+        raise ValueError(
+            f"unknown positional encoding {name!r}{did_you_mean(name, list(_REGISTRY))}; valid names: {', '.join(_REGISTRY)} (combine with '+')"
+        )
     return _REGISTRY[name]
 
 
@@ -68,11 +78,19 @@ def build_pos_embed(name: str, *, dim: int, num_heads: int, ref_grid: Size2, dep
             targets = []
         if not targets:
             valid = sorted({(f"{p}." if len(parts) > 1 else "") + o for p in parts for o in pos_embed_options(p)})
-            raise ValueError(f"unknown option {key!r} for positional encoding {name!r}; valid options: {', '.join(valid) or 'none'}")
+            raise ValueError(
+                f"unknown option {key!r} for positional encoding {name!r}{did_you_mean(key, valid)}; valid options: {', '.join(valid)}"
+            )
+        if opt == "coord_mode" and value is not None and value not in COORD_MODES:
+            raise ValueError(f"{key}={value!r} is not a coordinate mode{did_you_mean(value, list(COORD_MODES))}; choose one of {', '.join(COORD_MODES)}")
         for t in targets:
             per_part[t][opt] = value
     common = dict(dim=dim, num_heads=num_heads, ref_grid=ref_grid, depth=depth)
-    built = [_REGISTRY[p](**common, **per_part[p]) for p in parts]
+    built = []
+    for p in parts:
+        mode = per_part[p].pop("coord_mode", None)
+        built.append(_REGISTRY[p](**common, **per_part[p]))
+        built[-1].coord_mode = mode
     return built[0] if len(built) == 1 else CombinedPosEmbed(built, **common)
 
 
@@ -96,16 +114,19 @@ class CombinedPosEmbed(PosEmbed):
         return None if not values else values[0] if len(values) == 1 else torch.stack(torch.broadcast_tensors(*values)).sum(0)
 
     def tokens(self, grid: PatchGrid) -> Optional[Tensor]:
-        return self._sum([p.tokens(grid) for p in self.parts])
+        return self._sum([p.tokens(p.own_grid(grid)) for p in self.parts])
 
     def bias(self, grid: PatchGrid) -> Optional[Tensor]:
-        return self._sum([p.bias(grid) for p in self.parts])
+        return self._sum([p.bias(p.own_grid(grid)) for p in self.parts])
 
     def rope_angles(self, grid: PatchGrid) -> Optional[Tensor]:
-        return self._sum([p.rope_angles(grid) for p in self.parts])
+        return self._sum([p.rope_angles(p.own_grid(grid)) for p in self.parts])
 
     def condition_layers(self) -> FrozenSet[int]:
         return frozenset().union(*(p.condition_layers() for p in self.parts))
+
+    def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        return {f"parts.{i}.{k}": v for i, p in enumerate(self.parts) for k, v in p.from_timm(weights).items()}
 
     def condition(self, layer: int, x: Tensor, grid: PatchGrid) -> Tensor:
         for p in self.parts:

@@ -1,6 +1,8 @@
 """Rotary encodings (q and k rotated by angles linear in the coordinates): 2D axial and mixed RoPE."""
 from __future__ import annotations
 
+from typing import Dict
+
 import torch
 from torch import Tensor, nn
 
@@ -48,3 +50,12 @@ class RopeMixed(PosEmbed):
 
     def rope_angles(self, grid: PatchGrid) -> Tensor:
         return rope_angles(grid.coords.to(self.freqs.device), self.freqs)  # (L, H, N, hd/2)
+
+    def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """RoPE-ViT's mixed frequencies (timm's ``rope.freqs``, ``(2, depth, heads, head_dim/2)``, x then y)."""
+        freqs = weights.get("rope.freqs")
+        if freqs is None:
+            return {}
+        if freqs.shape != self.freqs.shape:
+            raise ValueError(f"timm rope.freqs {tuple(freqs.shape)} does not fit rope_mixed frequencies {tuple(self.freqs.shape)} (per_layer={self.per_layer})")
+        return {"freqs": freqs}

@@ -1,0 +1,63 @@
+"""vitpe's ViTs in timm's model registry: ``timm.create_model("vitpe_small_patch16_224_rope_mixed")``.
+
+Importing vitpe registers, for each architecture below, ``vitpe_<arch>`` (any PE through ``pos_embed=``) and
+``vitpe_<arch>_<pe>`` for every registered PE family, so timm's scripts, ``timm.list_models("vitpe_*")`` and
+``features_only=True`` (through :meth:`VisionTransformer.forward_intermediates`) work on vitpe models. No
+pretrained weights: ``pretrained=True`` fails in timm with its own message.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List
+
+from .pos_embed import list_pos_embeds
+from .vit import VisionTransformer
+
+__all__: List[str] = ["ARCHITECTURES", "timm_model_names"]
+
+# name -> VisionTransformer arguments. "cifar" is the main job's model (configs/): 32 px, patch 4.
+ARCHITECTURES: Dict[str, Dict[str, Any]] = {
+    "cifar_patch4_32": dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3, mlp_ratio=2.0, num_classes=10),
+    "tiny_patch16_224": dict(img_size=224, patch_size=16, embed_dim=192, depth=12, num_heads=3),
+    "small_patch16_224": dict(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6),
+    "base_patch16_224": dict(img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12),
+}
+
+default_cfgs: Dict[str, Dict[str, Any]] = {}  # timm's register_model reads each model's config from here
+
+
+def _entrypoint(name: str, arch: Dict[str, Any], pos_embed: str | None) -> Callable[..., VisionTransformer]:
+    from timm.models import build_model_with_cfg
+
+    def create(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+        args = {**arch, **({"pos_embed": pos_embed} if pos_embed else {}), **kwargs}
+        return build_model_with_cfg(
+            VisionTransformer, name, pretrained, feature_cfg=dict(out_indices=3, feature_cls="getter"), **args
+        )
+
+    create.__name__ = create.__qualname__ = name
+    create.__doc__ = f"vitpe ViT {name}: {arch} with pos_embed={pos_embed or 'sincos2d (or pos_embed=...)'}"
+    return create
+
+
+def timm_model_names() -> List[str]:
+    """The names this module registers with timm."""
+    return [f"vitpe_{a}" + (f"_{pe}" if pe else "") for a in ARCHITECTURES for pe in [None] + list_pos_embeds()]
+
+
+def _register() -> None:
+    from timm.models import register_model
+
+    size = lambda a: (3, a["img_size"], a["img_size"])  # noqa: E731
+    for arch_name, arch in ARCHITECTURES.items():
+        for pe in [None] + list_pos_embeds():
+            name = f"vitpe_{arch_name}" + (f"_{pe}" if pe else "")
+            default_cfgs[name] = dict(
+                url="", num_classes=arch.get("num_classes", 1000), input_size=size(arch), pool_size=None, crop_pct=1.0,
+                interpolation="bicubic", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), first_conv="patch_embed", classifier="head",
+            )
+            fn = _entrypoint(name, arch, pe)
+            fn.__module__ = __name__
+            globals()[name] = register_model(fn)
+
+
+_register()
