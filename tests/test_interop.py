@@ -32,14 +32,16 @@ def test_timm_weights_load_into_vitpe_with_the_same_logits(monkeypatch):
     with torch.no_grad():  # random init leaves pos_embed tiny; make it matter
         t.pos_embed.normal_(std=0.5)
     v = vitpe.vit_from_timm(t)
-    x = torch.randn(2, 3, 224, 224)
+    plain = vitpe.vit_from_timm(t, pos_embed_kwargs={"antialias": False})
+    x, x2 = torch.randn(2, 3, 224, 224), torch.randn(1, 3, 448, 320)
     with torch.no_grad():
         torch.testing.assert_close(v(x), t(x), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v(x2), t(x2), atol=1e-4, rtol=1e-4)  # timm's antialiased resize, reproduced
+        assert (plain(x2) - t(x2)).abs().max() > 1e-3
         import timm.models.vision_transformer as tv
 
         no_antialias(monkeypatch, tv)
-        x2 = torch.randn(1, 3, 448, 320)
-        torch.testing.assert_close(v(x2), t(x2), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(plain(x2), t(x2), atol=1e-4, rtol=1e-4)  # the papers' plain bicubic
 
 
 def test_timm_weights_with_register_tokens_mean_pooling_and_layer_scale():
@@ -182,20 +184,26 @@ def rope_vit(name, **kw):
 
 
 @pytest.mark.parametrize("name", ["vit_small_patch16_rope_mixed_ape_224", "vit_small_patch16_rope_mixed_224"])
-def test_rope_vit_models_load_with_the_reference_logits_at_every_size(name, monkeypatch):
+@pytest.mark.parametrize("reference", ["timm", "rope-vit"])
+def test_rope_vit_models_load_with_the_reference_logits_at_every_size(name, reference, monkeypatch):
+    """timm's port resizes the table with antialiasing; naver-ai/rope-vit's own code with plain bicubic."""
     import timm.models.eva as eva
 
-    no_antialias(monkeypatch, eva)
     e = rope_vit(name)
-    v = vitpe.vit_from_timm(e)
     ape = "ape" in name
+    if reference == "rope-vit":
+        no_antialias(monkeypatch, eva)
+        modes = {"learned.coord_mode": "interpolate", "rope_mixed.coord_mode": "extrapolate"} if ape else {"coord_mode": "extrapolate"}
+        v = vitpe.vit_from_timm(e, pos_embed_kwargs={**modes, **({"learned.antialias": False} if ape else {})})
+    else:
+        v = vitpe.vit_from_timm(e)
     assert v.pos_embed.name == ("learned+rope_mixed" if ape else "rope_mixed")
     with torch.no_grad():
         for size in [(32, 32), (48, 48), (64, 64), (24, 40), (16, 16)]:
             x = torch.randn(2, 3, *size)
             torch.testing.assert_close(v.forward_features(x), e.forward_features(x), atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(v(x), e(x), atol=1e-4, rtol=1e-4)
-    if ape:  # one coordinate mode for both parts (the old behaviour) misses the reference above the training size
+    if ape and reference == "rope-vit":  # one coordinate mode for both parts (the old behaviour) misses the reference
         x = torch.randn(2, 3, 48, 48)
         for mode in COORD_MODES:
             w = vitpe.vit_from_timm(e, pos_embed="learned+rope_mixed", coord_mode=mode)

@@ -30,8 +30,14 @@ def test_every_family_documents_its_paper_and_what_it_acts_on():
 def test_unknown_name_and_option_raise_value_error_naming_valid_ones():
     with pytest.raises(ValueError, match="valid names: none, sincos2d"):
         vitpe.build_pos_embed("sincos3d", dim=32, num_heads=2, ref_grid=4)
-    with pytest.raises(ValueError, match="valid options: theta"):
+    with pytest.raises(ValueError, match="valid options: coord_mode, theta"):
         vitpe.build_pos_embed("rope_axial", dim=32, num_heads=2, ref_grid=4, temperature=10)
+    with pytest.raises(ValueError, match=r"unknown positional encoding 'rope_mixd' \(did you mean 'rope_mixed'\?\)"):
+        vitpe.build_pos_embed("rope_mixd", dim=32, num_heads=2, ref_grid=4)
+    with pytest.raises(ValueError, match=r"did you mean 'theta'\?"):
+        vitpe.build_pos_embed("rope_axial", dim=32, num_heads=2, ref_grid=4, thetta=10)
+    with pytest.raises(ValueError, match=r"not a coordinate mode \(did you mean 'extrapolate'\?\)"):
+        vitpe.build_pos_embed("learned+rope_mixed", dim=32, num_heads=2, ref_grid=4, **{"rope_mixed.coord_mode": "extrapolation"})
     with pytest.raises(ValueError, match="rope_mixed.theta"):
         vitpe.build_pos_embed("sincos2d+rope_mixed", dim=32, num_heads=2, ref_grid=4, nope=1)
     with pytest.raises(ValueError, match="at most one rotary"):
@@ -177,3 +183,38 @@ def test_order_matters_exactly_when_there_is_a_positional_encoding(pe):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     else:
         assert (a - b).abs().max() > 1e-3 * a.abs().max()
+
+
+def test_each_part_of_a_combination_reads_its_own_coordinate_mode():
+    """RoPE-ViT's "+APE": the table interpolates, RoPE extrapolates, whatever mode the model's grid is in."""
+    kw = dict(dim=32, num_heads=2, ref_grid=4)
+    pe = vitpe.build_pos_embed("learned+rope_mixed", **kw, **{"learned.coord_mode": "interpolate", "rope_mixed.coord_mode": "extrapolate"})
+    learned, rope = pe.parts
+    assert learned.coord_mode == "interpolate" and rope.coord_mode == "extrapolate"
+    for model_mode in vitpe.COORD_MODES:
+        grid = vitpe.PatchGrid.create((6, 5), 4, model_mode)
+        ctx = pe.context(grid)
+        torch.testing.assert_close(ctx.tokens, learned.tokens(vitpe.PatchGrid.create((6, 5), 4, "interpolate")))
+        angles = rope.rope_angles(vitpe.PatchGrid.create((6, 5), 4, "extrapolate"))
+        torch.testing.assert_close(ctx.cos, angles.cos())
+    # Augmented coordinates keep their augmentation in the part's own mode.
+    aug = vitpe.PatchGrid.create((6, 5), 4, "interpolate").transformed(1.5, 0.8, 0.3, -0.2)
+    expected = vitpe.PatchGrid.create((6, 5), 4, "extrapolate").transformed(1.5, 0.8, 0.3, -0.2).coords
+    torch.testing.assert_close(aug.in_mode("extrapolate").coords, expected)
+    # A mode on one part changes the result, so the test above can fail.
+    same = vitpe.build_pos_embed("learned+rope_mixed", **kw)
+    same.load_state_dict(pe.state_dict())
+    assert not torch.allclose(same.context(vitpe.PatchGrid.create((6, 5), 4)).cos, pe.context(vitpe.PatchGrid.create((6, 5), 4)).cos)
+    with pytest.raises(ValueError, match="needs a grid made by PatchGrid.create"):
+        rope.own_grid(vitpe.PatchGrid.from_coords(torch.rand(30, 2), (6, 5), 4))
+
+
+def test_learned_antialias_resizes_as_timm_does():
+    from timm.layers import resample_abs_pos_embed
+
+    pe = vitpe.build_pos_embed("learned", dim=8, num_heads=2, ref_grid=(4, 6), antialias=True)
+    for size in [(7, 9), (3, 4)]:
+        expected = resample_abs_pos_embed(pe.table.flatten(2).transpose(1, 2), list(size), [4, 6], num_prefix_tokens=0)[0]
+        torch.testing.assert_close(pe.tokens(vitpe.PatchGrid.create(size, (4, 6))), expected)
+    with pytest.raises(ValueError, match="needs plain interpolate-mode coordinates"):
+        pe.tokens(vitpe.PatchGrid.create((7, 9), (4, 6), "extrapolate"))

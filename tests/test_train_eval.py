@@ -123,10 +123,16 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
 
 
 def test_config_errors_are_one_clear_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown config key model\.depht; valid keys: .*model\.depth"):
+    with pytest.raises(ConfigError, match=r"unknown config key model\.depht \(did you mean 'depth'\?\); valid keys: .*model\.depth"):
         train(tmp_path, "x", "--set", "model.depht=3")
+    with pytest.raises(ConfigError, match=r"unknown config key modle \(did you mean 'model'\?\)"):
+        train(tmp_path, "x", "--set", "modle.depth=3")
+    with pytest.raises(ValueError, match=r"unknown positional encoding 'rope_mixd' \(did you mean 'rope_mixed'\?\)"):
+        train(tmp_path, "x", "--set", "model.pos_embed=rope_mixd")
     with pytest.raises(ConfigError, match=r"train\.epochs must be int, got 'many'"):
         train(tmp_path, "x", "--set", "train.epochs=many")
+    with pytest.raises(ConfigError, match=r"data\.augment='crop_flp' is not valid \(did you mean 'crop_flip'\?\)"):
+        train(tmp_path, "x", "--set", "data.augment=crop_flp")
     with pytest.raises(ConfigError, match=r"data\.augment='sometimes' is not valid"):
         train(tmp_path, "x", "--set", "data.augment=sometimes")
     with pytest.raises(ConfigError, match="must be even"):
@@ -135,6 +141,8 @@ def test_config_errors_are_one_clear_line(tmp_path):
         train_script.main(["--config", "nope.yaml"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  colour: red\n")
+    with pytest.raises(ConfigError, match=r"unknown config key model\.colour; valid keys"):  # nothing near it: no guess
+        train_script.main(["--config", str(bad)])
     with pytest.raises(ConfigError, match=r"unknown config key model\.colour"):
         train_script.main(["--config", str(bad)])
     assert not (tmp_path / "x").exists()

@@ -11,6 +11,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import yaml
 
+from .suggest import did_you_mean
+
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "Config", "load_config", "apply_overrides", "train_resolutions"]
 
 
@@ -115,7 +117,9 @@ def _build(cls: type, data: Dict[str, Any], where: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
     if unknown:
-        raise ConfigError(f"unknown config key {where + '.' if where else ''}{unknown[0]}; valid keys: {', '.join(names)}")
+        raise ConfigError(
+            f"unknown config key {where + '.' if where else ''}{unknown[0]}{did_you_mean(unknown[0], names)}; valid keys: {', '.join(names)}"
+        )
     kwargs = {}
     for k, v in data.items():
         key = f"{where}.{k}" if where else k
@@ -138,7 +142,7 @@ def _validate(cfg: Config) -> None:
     }
     for key, (value, valid) in choices.items():
         if value not in valid:
-            raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
+            raise ConfigError(f"{key}={value!r} is not valid{did_you_mean(value, valid)}; choose one of {', '.join(valid)}")
     for key, value in [("model.img_size", cfg.model.img_size), ("model.patch_size", cfg.model.patch_size),
                        ("train.epochs", cfg.train.epochs), ("train.batch_size", cfg.train.batch_size)]:
         if value < 1:
@@ -156,7 +160,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"train.resolution_range must be [lo, hi] containing a multiple of model.patch_size={p}, got {rng}")
     unknown = set(cfg.model.coord_aug) - {"shift", "rescale", "jitter"}
     if unknown:
-        raise ConfigError(f"unknown key model.coord_aug.{sorted(unknown)[0]}; valid keys: shift, rescale, jitter")
+        bad = sorted(unknown)[0]
+        raise ConfigError(f"unknown key model.coord_aug.{bad}{did_you_mean(bad, ('shift', 'rescale', 'jitter'))}; valid keys: shift, rescale, jitter")
 
 
 def train_resolutions(cfg: Config) -> List[int]:
@@ -198,10 +203,12 @@ def apply_overrides(cfg: Config, overrides: List[str]) -> Config:
         node, parts = data, key.strip().split(".")
         for i, part in enumerate(parts[:-1]):
             if not isinstance(node.get(part), dict):
-                raise ConfigError(f"unknown config key {'.'.join(parts[: i + 1])}; valid keys: {', '.join(node)}")
+                raise ConfigError(f"unknown config key {'.'.join(parts[: i + 1])}{did_you_mean(part, node)}; valid keys: {', '.join(node)}")
             node = node[part]
         if parts[-1] not in node and not (len(parts) > 2 and (parts[-2].endswith("kwargs") or parts[-2] == "coord_aug")):
-            raise ConfigError(f"unknown config key {key}; valid keys: {', '.join('.'.join(parts[:-1] + [k]) for k in node)}")
+            raise ConfigError(
+                f"unknown config key {key}{did_you_mean(parts[-1], node)}; valid keys: {', '.join('.'.join(parts[:-1] + [k]) for k in node)}"
+            )
         node[parts[-1]] = value
     return config_from_dict(data)
 

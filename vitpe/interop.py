@@ -240,11 +240,11 @@ def _timm_pos_embed(m: nn.Module) -> Tuple[str, Dict[str, Any]]:
         raise ValueError(f"this timm model's rotary embedding ({type(rope).__name__}) has no vitpe equivalent yet; vitpe loads RoPE-Mixed (RotaryEmbeddingMixed)")
     ape = m.pos_embed is not None
     if rope is None:
-        return ("learned" if ape else "none"), {}
+        return ("learned", {"antialias": True}) if ape else ("none", {})
     if not ape:
         return "rope_mixed", {"coord_mode": "extrapolate"}
     # RoPE-ViT's "+APE": the table is resized to the new grid (bicubic), RoPE keeps integer positions.
-    return "learned+rope_mixed", {"learned.coord_mode": "interpolate", "rope_mixed.coord_mode": "extrapolate"}
+    return "learned+rope_mixed", {"learned.coord_mode": "interpolate", "learned.antialias": True, "rope_mixed.coord_mode": "extrapolate"}
 
 
 def vit_from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
@@ -254,7 +254,9 @@ def vit_from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
     Takes timm's ``VisionTransformer`` (ViT, DeiT, DeiT-III with LayerScale, register tokens) with a learned
     table or none, and timm's ``Eva`` ports of RoPE-ViT (``vit_*_patch16_rope_mixed_ape_224`` and
     ``vit_*_patch16_rope_mixed_224``): RoPE-Mixed frequencies, the learned table resized bicubically and RoPE
-    extrapolated, as the RoPE-ViT reference does. ``pos_embed=...`` among ``overrides`` swaps in another PE;
+    extrapolated, as the RoPE-ViT reference does. The table is resized with timm's antialiasing, so the result
+    equals the timm model given; ``pos_embed_kwargs={..., "learned.antialias": False}`` gives the papers' plain
+    bicubic instead (RoPE-ViT's and DeiT's own code). ``pos_embed=...`` among ``overrides`` swaps in another PE;
     it takes whatever timm weights it can and starts the rest fresh. Anything vitpe's ViT does not have
     (qk-norm, fc_norm, SwiGLU, ...) raises ``ValueError`` naming it.
     """

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .shapes import SHAPES_CLASSES, render_shapes, shapes_params
+from ..suggest import did_you_mean
 
 __all__ = ["DataError", "ImageDataset", "load_dataset", "list_datasets", "resize_images", "DEBIAN_FASHION_MNIST"]
 
@@ -266,4 +267,4 @@ def load_dataset(
         return _cifar(name, root, train_size, test_size)
     if name.startswith("imagefolder:"):
         return _imagefolder(Path(name.split(":", 1)[1]).expanduser(), train_size, test_size, tuple(image_size))
-    raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    raise DataError(f"unknown dataset {name!r}{did_you_mean(name, DATASETS)}; choose one of {', '.join(DATASETS)}")

@@ -103,18 +103,31 @@ class LearnedFourierPosEmbed(PosEmbed):
 class LearnedPosEmbed(PosEmbed):
     """Learned absolute table at the reference grid (ViT, Dosovitskiy et al. 2021), sampled bicubically at
     other coordinates, the continuous form of timm's ``resample_abs_pos_embed``. Positions beyond the table
-    (extrapolate mode) take the border value: a learned table knows nothing past what it was trained on."""
+    (extrapolate mode) take the border value: a learned table knows nothing past what it was trained on.
+
+    ``antialias=True`` resizes the table as timm does by default (``F.interpolate(bicubic, antialias=True)``,
+    which is another bicubic kernel even when upsampling); the papers' code (ViT, DeiT, RoPE-ViT) does not.
+    It resizes to a whole grid, so it needs plain interpolate-mode coordinates.
+    """
 
     acts_on = "tokens"
 
-    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, std: float = 0.02) -> None:
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, std: float = 0.02, antialias: bool = False) -> None:
         super().__init__(dim, num_heads, ref_grid, depth)
         self.table = nn.Parameter(torch.zeros(1, dim, *self.ref_grid))  # (1, dim, h, w)
         trunc_normal_(self.table, std=std)
+        self.antialias = bool(antialias)
 
     def tokens(self, grid: PatchGrid) -> Tensor:
         if grid.is_reference:
             return self.table.flatten(2)[0].t()  # (N, dim): exactly the trained table
+        if self.antialias:
+            if grid.mode != "interpolate" or grid.affine is not None:
+                raise ValueError(
+                    "learned.antialias=True resizes the table to the whole grid (timm's resample), which needs plain "
+                    f"interpolate-mode coordinates; got coord mode {grid.mode} {'with augmentation' if grid.affine else ''}".rstrip()
+                )
+            return F.interpolate(self.table, size=grid.size, mode="bicubic", antialias=True, align_corners=False).flatten(2)[0].t()
         rh, rw = self.ref_grid
         c = grid.coords.to(self.table.device)
         # grid_sample(align_corners=False) puts pixel j's centre at normalised (2j + 1) / size - 1.

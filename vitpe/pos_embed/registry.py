@@ -1,7 +1,6 @@
 """The one registry of positional encodings: names, options, and ``a+b`` combinations."""
 from __future__ import annotations
 
-import difflib
 import inspect
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Type
 
@@ -9,9 +8,10 @@ import torch
 from torch import Tensor, nn
 
 from ..coords import COORD_MODES, PatchGrid, Size2
+from ..suggest import did_you_mean
 from .base import PosEmbed
 
-__all__ = ["register_pos_embed", "list_pos_embeds", "build_pos_embed", "pos_embed_options", "CombinedPosEmbed", "did_you_mean"]
+__all__ = ["register_pos_embed", "list_pos_embeds", "build_pos_embed", "pos_embed_options", "CombinedPosEmbed"]
 
 _REGISTRY: Dict[str, Type[PosEmbed]] = {}
 _COMMON = ("self", "dim", "num_heads", "ref_grid", "depth")
@@ -28,12 +28,6 @@ def register_pos_embed(name: str) -> Callable[[Type[PosEmbed]], Type[PosEmbed]]:
         return cls
 
     return wrap
-
-
-def did_you_mean(name: object, valid: List[str]) -> str:
-    """``" (did you mean 'x'?)"`` for the valid name nearest to a mistyped one, else ``""``."""
-    close = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def list_pos_embeds() -> List[str]:
