@@ -97,11 +97,11 @@ def attention_distance(model: VisionTransformer, images: Tensor) -> Tensor:
     centres = torch.stack([xs.flatten(), ys.flatten()], -1).float() * model.patch_size  # pixels
     dist = torch.cdist(centres, centres).to(images.device)  # (N, N)
     out = []
-    for i, blk in enumerate(model.blocks):
+    inputs = [x, *model.run_blocks(x, pos)][:-1]  # what each block sees
+    for i, (blk, x) in enumerate(zip(model.blocks, inputs)):
         attn = blk.attn.attention_logits(blk.norm1(x), pos, i).softmax(-1)[:, :, p:, p:]  # (B, H, N, N)
         attn = attn / attn.sum(-1, keepdim=True)
         out.append((attn * dist).sum(-1).mean(dim=(0, 2)))
-        x = pos.after_block(i, blk(x, pos, i))
     return torch.stack(out).cpu()
 
 
