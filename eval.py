@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,16 @@ def parse_resolution(text: str) -> Tuple[int, int]:
     return size
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CHECKPOINT")
@@ -46,15 +57,16 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="input sizes (default: 0.5, 0.75, 1, 1.5, 2 x each run's training size, rounded to its patch size)")
     p.add_argument("--data", help="dataset to evaluate on (default: each run's own)")
     p.add_argument("--data-dir", help="dataset directory (default: each run's own, else ./data)")
-    p.add_argument("--test-size", type=int, help="evaluate on the first N test images")
+    p.add_argument("--test-size", type=positive_int, help="evaluate on the first N test images")
     p.add_argument("--coord-mode", choices=["checkpoint", "interpolate", "extrapolate", "both"], default="checkpoint",
                    help="patch coordinates at new resolutions (default: what each run was trained with)")
     p.add_argument("--route", choices=["coords", "patch", "both"], default="coords",
                    help="meet a new resolution with new coordinates on a new token grid (coords), or by resizing the "
                         "patch embedding to keep the trained grid (patch: FlexiViT's PI-resize)")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=positive_int, default=256)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights even if the run kept an EMA")
+    p.add_argument("--no-verify", action="store_true", help="load checkpoints whose checksum does not match")
     p.add_argument("--out", help="output directory (default: FIRST_RUN/eval-TIMESTAMP)")
     return p.parse_args(argv)
 
@@ -91,7 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows: List[Dict] = []
     datasets: Dict[Tuple, object] = {}
     for ckpt in args.checkpoints:
-        model, state = model_from_checkpoint(ckpt, map_location="cpu", ema=not args.no_ema)
+        model, state = model_from_checkpoint(ckpt, map_location="cpu", ema=not args.no_ema, verify=not args.no_verify)
         model.to(device)
         cfg = state["config"]
         patch, train_size = model.patch_size, cfg["model"]["img_size"]
@@ -135,16 +147,21 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     first = Path(args.checkpoints[0])
     out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"output directory {out} exists and is not empty; choose another --out")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"output {out} exists and is not an empty directory; choose another --out")
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=2))
-    flat = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows]  # per-class lists stay in the JSON
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
-        writer.writeheader()
-        writer.writerows(flat)
-    plot(rows, out / "accuracy_vs_resolution.png", f"top-1 against resolution ({', '.join(sorted({r['data'] for r in rows}))})")
+    try:
+        (out / "results.json").write_text(json.dumps(rows, indent=2))
+        flat = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows]  # per-class lists stay in the JSON
+        with open(out / "results.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
+            writer.writeheader()
+            writer.writerows(flat)
+        plot(rows, out / "accuracy_vs_resolution.png", f"top-1 against resolution ({', '.join(sorted({r['data'] for r in rows}))})")
+    except BaseException:  # disk full, Ctrl-C: leave no half-written results behind
+        shutil.rmtree(out) if made else [p.unlink() for p in out.iterdir()]
+        raise
 
     # The table: one row per resolution, one column per run/mode.
     labels = list(dict.fromkeys(r["label"] for r in rows))
@@ -167,6 +184,9 @@ def cli() -> int:
     except (ConfigError, DataError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
+    except OSError as e:  # disk full, permissions: one line naming the file
+        print(f"error: {e.strerror or e} ({e.filename or 'while writing results'}); free space or fix the path", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

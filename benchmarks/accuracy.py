@@ -31,6 +31,7 @@ import train as train_script  # noqa: E402
 import vitpe  # noqa: E402
 from study_runs import train_or_reuse  # noqa: E402
 from vitpe.checkpoint import load_checkpoint  # noqa: E402
+from vitpe.runs import safe_name  # noqa: E402
 
 CONFIGS = ROOT / "configs"
 # The PE comparison: one recipe per dataset, only the PE changes. Budgets sized for 2 CPU cores (about a
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
     for suite, data, pe, seed, cmd in jobs:
         # Overrides are part of the name: a finished run is reused by name, so other settings need another one.
         tag = "-".join([Path(args.config).stem if suite == "fmnist" else f"{data}-{pe}", *args.set])
-        name = train_script.safe_name(f"{suite}-{tag}-seed{seed}")
+        name = safe_name(f"{suite}-{tag}-seed{seed}")
         cmd = [*cmd, "--set", f"train.seed={seed}", *[x for item in args.set for x in ("--set", item)]]
         run = train_or_reuse(runs / name, cmd, name)
         row = result_row(run, suite, data, seed)

@@ -31,6 +31,7 @@ import train as train_script  # noqa: E402
 import vitpe  # noqa: E402
 from study_runs import train_or_reuse  # noqa: E402
 from vitpe.checkpoint import model_from_checkpoint  # noqa: E402
+from vitpe.runs import safe_name  # noqa: E402
 from vitpe.data import load_dataset  # noqa: E402
 from vitpe.engine import evaluate  # noqa: E402
 
@@ -54,7 +55,7 @@ def train_one(data: str, name: str, extra: List[str], args, runs: Path) -> Path:
             cmd += ["--set", f"{key}={value}"]
     for item in args.set:
         cmd += ["--set", item]
-    return train_or_reuse(runs / train_script.safe_name(f"{data}-{name}"), cmd, f"{data} {name}")
+    return train_or_reuse(runs / safe_name(f"{data}-{name}"), cmd, f"{data} {name}")
 
 
 def evaluate_run(run: Path, data: str, name: str, args) -> List[Dict]:

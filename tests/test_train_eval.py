@@ -13,6 +13,7 @@ import eval as eval_script
 import train as train_script
 from vitpe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from vitpe.config import ConfigError
+from vitpe.runs import RunError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -56,33 +57,48 @@ def test_a_run_writes_config_checkpoint_and_metrics(tiny_run):
 
 def test_a_new_run_never_overwrites_an_existing_one(tiny_run):
     before = (tiny_run / "checkpoint.pt").read_bytes()
-    with pytest.raises(ConfigError, match="already exists; continue it with --resume"):
+    with pytest.raises(RunError, match="already exists; continue it with --resume"):
         train(tiny_run.parent, "base")
     assert (tiny_run / "checkpoint.pt").read_bytes() == before
 
 
-def _interrupt_at(monkeypatch, at_epoch, at_step):
-    real = train_script.seed_step
+def signal_after_update(sig, at_update):
+    """Deliver ``sig`` to this process the instant after optimizer update number ``at_update`` (1-based): the
+    worst moment, when the weights have moved but the step counter has not."""
+    import signal as signal_module
 
-    def seed_step(*parts):
-        if len(parts) == 3 and parts[1:] == (at_epoch, at_step):
-            raise KeyboardInterrupt
-        real(*parts)
+    calls = {"n": 0}
 
-    monkeypatch.setattr(train_script, "seed_step", seed_step)
+    def hook(optimizer, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] == at_update:
+            os.kill(os.getpid(), getattr(signal_module, sig))
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    return register_optimizer_step_post_hook(hook)
 
 
-@pytest.mark.parametrize("at_epoch, at_step", [(0, 3), (1, 0)])
-def test_interrupted_and_resumed_run_ends_with_the_same_weights(tiny_run, tmp_path, monkeypatch, at_epoch, at_step):
-    _interrupt_at(monkeypatch, at_epoch, at_step)
-    assert train(tmp_path, "cut") == 130  # Ctrl-C: checkpoint, then exit
+@pytest.mark.parametrize("sig, at_update", [("SIGINT", 3), ("SIGTERM", 3), ("SIGINT", 8), ("SIGTERM", 13)])
+def test_a_signal_right_after_an_update_resumes_bit_exactly(tiny_run, tmp_path, monkeypatch, sig, at_update):
+    import signal as signal_module
+
+    handle = signal_after_update(sig, at_update)
+    try:
+        assert train(tmp_path, "cut") == 128 + getattr(signal_module, sig)  # saved at the step boundary, then exit
+    finally:
+        handle.remove()
     state = load_checkpoint(tmp_path / "cut")
-    assert (state["epoch"], state["step"]) == (at_epoch, at_step)
-    monkeypatch.undo()
+    assert (state["epoch"], state["step"]) == divmod(at_update, 8)  # tiny: 8 steps per epoch; the update is in
+    assert signal_module.getsignal(signal_module.SIGINT) is signal_module.default_int_handler  # handlers restored
     assert train_script.main(["--resume", str(tmp_path / "cut")]) == 0
     assert_same_weights(weights(tmp_path / "cut"), weights(tiny_run))
     rows = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    base = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [1, 2]
+    for r, b in zip(rows, base):  # the interrupted epoch's metrics cover all its steps, not those after the resume
+        assert r["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6) and r["train_acc"] == b["train_acc"]
+        assert r["test_top1"] == b["test_top1"]
 
 
 def test_resume_refuses_new_settings(tiny_run):
@@ -117,7 +133,7 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
             return loss * float("nan") if calls["n"] > 8 else loss  # tiny: 8 steps per epoch
 
     monkeypatch.setattr(train_script.torch.nn, "CrossEntropyLoss", NanAfterFirstEpoch)
-    with pytest.raises(train_script.TrainingError, match=r"loss became nan at epoch 2 .* last good checkpoint is kept"):
+    with pytest.raises(train_script.TrainingError, match=r"loss became nan at epoch 2 .* the last good checkpoint \(after epoch 1\) is kept"):
         train(tmp_path, "nan")
     assert load_checkpoint(tmp_path / "nan")["epoch"] == 1
 
@@ -238,12 +254,3 @@ def test_full_recipe_mixup_cutmix_ema_trivialaugment(tmp_path):
     assert state["ema"] is not None and state["ema"].keys() == state["model"].keys()
     assert any(not torch.equal(state["ema"][k], state["model"][k]) for k in state["model"])  # EMA trails the weights
     assert eval_script.main([str(tmp_path / "recipe"), "--resolutions", "16", "--out", str(tmp_path / "e")]) == 0
-
-
-def test_only_the_writing_rank_refuses_an_existing_run_directory(tiny_run):
-    from vitpe.config import apply_overrides, load_config
-
-    cfg = apply_overrides(load_config(TINY), [f"out_dir={tiny_run.parent}", "name=base"])
-    with pytest.raises(ConfigError, match="already exists"):
-        train_script.new_run_dir(cfg)
-    assert train_script.new_run_dir(cfg, writer=False) == tiny_run  # another rank: rank 0 may have just made it

@@ -1,17 +1,21 @@
 """Checkpoints that never lose work: atomic writes, and loading that says exactly what is wrong."""
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, Iterator, Tuple, Union
 
 import torch
 
 from .vit import VisionTransformer
 
-__all__ = ["CheckpointError", "FORMAT", "save_checkpoint", "load_checkpoint", "find_checkpoint", "model_from_checkpoint"]
+__all__ = [
+    "CheckpointError", "FORMAT", "save_checkpoint", "load_checkpoint", "find_checkpoint", "model_from_checkpoint",
+    "state_checksum", "non_finite",
+]
 
 FORMAT = "vitpe-checkpoint-v1"
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -21,14 +25,57 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, truncated, foreign or from an incompatible model."""
 
 
+def _tensors(obj: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
+    """Every leaf of a nested state, in a fixed order, with its path."""
+    if isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            yield from _tensors(obj[k], f"{prefix}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}/{i}")
+    else:
+        yield prefix, obj
+
+
+def state_checksum(state: Dict[str, Any]) -> str:
+    """SHA-256 of every tensor (dtype, shape, bytes) and value in ``state``, except its ``checksum`` and ``format``."""
+    h = hashlib.sha256()
+    for path, leaf in _tensors({k: v for k, v in state.items() if k not in ("checksum", "format")}):
+        h.update(path.encode())
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(repr(leaf).encode())
+    return h.hexdigest()
+
+
+def non_finite(state_dict: Dict[str, torch.Tensor]) -> list:
+    """Names of the floating-point tensors in ``state_dict`` that hold a NaN or an infinity."""
+    return [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all()]
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Temporaries of writes that a kill interrupted (``.NAME.tmpPID`` whose process is gone)."""
+    from .runs import pid_alive
+
+    for stale in path.parent.glob(f".{path.name}.tmp*"):
+        pid = stale.name.rpartition(".tmp")[2]
+        if not pid.isdigit() or (int(pid) != os.getpid() and not pid_alive(int(pid))):
+            stale.unlink(missing_ok=True)
+
+
 def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> None:
     """Write ``state`` to ``path`` atomically: a temporary file in the same directory, flushed to disk,
-    then renamed over the old one. A kill at any moment leaves either the old or the new checkpoint."""
+    then renamed over the old one. A kill at any moment leaves either the old or the new checkpoint.
+    A checksum of the whole state goes with it, and temporaries left by killed writes are removed."""
     path = Path(path)
+    _remove_stale_temporaries(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT, **state}, f)
+            torch.save({"format": FORMAT, **state, "checksum": state_checksum(state)}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -48,8 +95,9 @@ def find_checkpoint(path: Union[str, Path]) -> Path:
     return p
 
 
-def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> Dict[str, Any]:
-    """Load and validate a vitpe checkpoint (a run directory or file)."""
+def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu", verify: bool = True) -> Dict[str, Any]:
+    """Load and validate a vitpe checkpoint (a run directory or file); ``verify`` checks the stored checksum
+    (checkpoints written before checksums existed load without one)."""
     p = find_checkpoint(path)
     try:
         state = torch.load(p, map_location=map_location, weights_only=True)
@@ -61,6 +109,11 @@ def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu") -> Dict[s
     for key in ("model", "model_args", "config"):
         if key not in state:
             raise CheckpointError(f"checkpoint {p} lacks '{key}'; it was not written by vitpe's train.py")
+    if verify and "checksum" in state and state_checksum(state) != state["checksum"]:
+        raise CheckpointError(
+            f"checkpoint {p} is corrupt: its contents do not match the checksum saved with them (changed on disk); "
+            "resume from an earlier copy, or pass --no-verify to load it anyway"
+        )
     return state
 
 
@@ -82,9 +135,11 @@ def load_model_state(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor]
     model.load_state_dict(state_dict)
 
 
-def model_from_checkpoint(path: Union[str, Path], map_location: Any = "cpu", ema: bool = True) -> Tuple[VisionTransformer, Dict[str, Any]]:
+def model_from_checkpoint(
+    path: Union[str, Path], map_location: Any = "cpu", ema: bool = True, verify: bool = True
+) -> Tuple[VisionTransformer, Dict[str, Any]]:
     """Rebuild the model from the checkpoint alone (its architecture travels with it); EMA weights if present."""
-    state = load_checkpoint(path, map_location)
+    state = load_checkpoint(path, map_location, verify)
     try:
         model = VisionTransformer(**state["model_args"])
     except (TypeError, ValueError) as e:

@@ -4,6 +4,7 @@ Unknown keys and ill-typed values raise :class:`ConfigError` with one line sayin
 what is valid. The resolved config is saved in every run directory and inside every checkpoint.
 """
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,7 @@ class TrainConfig:
     resolutions: Optional[List[int]] = None  # multi-resolution training: a size drawn per batch from this set
     resolution_range: Optional[List[int]] = None  # ... or from every multiple of the patch size in [lo, hi]
     time_limit_min: Optional[float] = None  # stop cleanly (with a checkpoint) after this many minutes
+    dist_timeout_s: float = 600.0  # torchrun: a rank that does not answer for this long stops the run with a message
 
 
 @dataclass
@@ -83,8 +85,12 @@ class Config:
         return dataclasses.asdict(self)
 
 
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _check_type(value: Any, tp: Any, where: str) -> Any:
-    """Return ``value`` as type ``tp`` (ints accepted for floats), or raise ConfigError."""
+    """Return ``value`` as type ``tp`` (ints accepted for floats; ``5e-4``, which YAML 1.1 reads as a string,
+    accepted as a number; ints and floats accepted for strings, e.g. a run named 2024), or raise ConfigError."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Union:  # Optional[X]
         if value is None and type(None) in args:
@@ -103,6 +109,12 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
         return [_check_type(v, args[0], f"{where}[]") for v in value] if args else list(value)
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value)
+    if tp is int and isinstance(value, str) and re.fullmatch(r"[-+]?\d+", value.strip()):
+        return int(value)
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if tp in (str, bool) and isinstance(value, tp):
@@ -143,10 +155,32 @@ def _validate(cfg: Config) -> None:
     for key, (value, valid) in choices.items():
         if value not in valid:
             raise ConfigError(f"{key}={value!r} is not valid{did_you_mean(value, valid)}; choose one of {', '.join(valid)}")
-    for key, value in [("model.img_size", cfg.model.img_size), ("model.patch_size", cfg.model.patch_size),
-                       ("train.epochs", cfg.train.epochs), ("train.batch_size", cfg.train.batch_size)]:
-        if value < 1:
-            raise ConfigError(f"{key} must be at least 1, got {value}")
+    m, d, t = cfg.model, cfg.data, cfg.train
+    ranges = [  # key, value, lowest, highest, lowest included, highest included
+        ("model.img_size", m.img_size, 1, None, True, True), ("model.patch_size", m.patch_size, 1, None, True, True),
+        ("model.embed_dim", m.embed_dim, 1, None, True, True), ("model.depth", m.depth, 1, None, True, True),
+        ("model.num_heads", m.num_heads, 1, None, True, True), ("model.mlp_ratio", m.mlp_ratio, 0, None, False, True),
+        ("model.num_reg_tokens", m.num_reg_tokens, 0, None, True, True), ("model.drop_rate", m.drop_rate, 0, 1, True, False),
+        ("model.drop_path_rate", m.drop_path_rate, 0, 1, True, False),
+        ("data.train_size", d.train_size, 1, None, True, True), ("data.test_size", d.test_size, 1, None, True, True),
+        ("data.mixup", d.mixup, 0, None, True, True), ("data.cutmix", d.cutmix, 0, None, True, True),
+        ("train.epochs", t.epochs, 1, None, True, True), ("train.batch_size", t.batch_size, 1, None, True, True),
+        ("train.lr", t.lr, 0, None, False, True), ("train.min_lr", t.min_lr, 0, None, True, True),
+        ("train.weight_decay", t.weight_decay, 0, None, True, True), ("train.warmup_epochs", t.warmup_epochs, 0, None, True, True),
+        ("train.label_smoothing", t.label_smoothing, 0, 1, True, False), ("train.grad_clip", t.grad_clip, 0, None, True, True),
+        ("train.ema_decay", t.ema_decay, 0, 1, True, False), ("train.eval_batch_size", t.eval_batch_size, 1, None, True, True),
+        ("train.time_limit_min", t.time_limit_min, 0, None, False, True), ("train.dist_timeout_s", t.dist_timeout_s, 0, None, False, True),
+    ]
+    for key, value, lo, hi, lo_in, hi_in in ranges:
+        if value is None:
+            continue
+        below = value < lo if lo_in else value <= lo
+        above = hi is not None and (value > hi if hi_in else value >= hi)
+        if below or above:
+            span = f"{'[' if lo_in else '('}{lo}, {hi if hi is not None else 'inf'}{']' if hi_in and hi is not None else ')'}"
+            raise ConfigError(f"{key}={value} is out of range; it must be in {span}")
+    if m.embed_dim % m.num_heads:
+        raise ConfigError(f"model.embed_dim={m.embed_dim} must be divisible by model.num_heads={m.num_heads}")
     p = cfg.model.patch_size
     if cfg.model.img_size % p:
         raise ConfigError(f"model.img_size={cfg.model.img_size} is not divisible by model.patch_size={p}")
@@ -185,7 +219,10 @@ def load_config(path: Optional[str] = None) -> Config:
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
     return config_from_dict(data)
 
 
@@ -196,11 +233,14 @@ def apply_overrides(cfg: Config, overrides: List[str]) -> Config:
         key, eq, raw = item.partition("=")
         if not eq or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. model.pos_embed=rope_mixed")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else None
-        except yaml.YAMLError:
-            value = raw
         node, parts = data, key.strip().split(".")
+        if _field_type(parts) is str:
+            value = raw if raw != "" else None  # a name stays as typed: --name 2024, --name yes
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw != "" else None
+            except yaml.YAMLError:
+                value = raw
         for i, part in enumerate(parts[:-1]):
             if not isinstance(node.get(part), dict):
                 raise ConfigError(f"unknown config key {'.'.join(parts[: i + 1])}{did_you_mean(part, node)}; valid keys: {', '.join(node)}")
@@ -211,6 +251,22 @@ def apply_overrides(cfg: Config, overrides: List[str]) -> Config:
             )
         node[parts[-1]] = value
     return config_from_dict(data)
+
+
+def _field_type(parts: List[str]) -> Any:
+    """The declared type of config key ``parts`` (e.g. ``["model", "pos_embed"]``), Optional unwrapped; None if unknown."""
+    tp: Any = Config
+    for part in parts:
+        if not dataclasses.is_dataclass(tp):
+            return None
+        hints = typing.get_type_hints(tp)
+        if part not in hints:
+            return None
+        tp = hints[part]
+        if typing.get_origin(tp) is Union:
+            inner = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp = inner[0] if len(inner) == 1 else tp
+    return tp
 
 
 def save_config(cfg: Config, path: Path) -> None:

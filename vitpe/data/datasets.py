@@ -204,6 +204,22 @@ def _cifar(name: str, data_dir: Path, train_size: Optional[int], test_size: Opti
 
 
 # ---- imagefolder -----------------------------------------------------------------------------------
+def _to_rgb(im, path: str):
+    """An opened PIL image as 8-bit RGB. 16-bit images (PNG ``I;16``; ``I`` within 0..65535) are scaled to
+    8 bits, not clipped; float or 32-bit pixels have no known range and are refused, naming the file."""
+    import numpy as np
+    from PIL import Image
+
+    if im.mode.startswith("I"):
+        arr = np.asarray(im).astype(np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() > 65535):
+            raise DataError(f"image {path} has 32-bit pixels ({arr.min()}..{arr.max()}) with no known range; convert it to 8 or 16 bits")
+        im = Image.fromarray(np.round(arr / 257).astype(np.uint8), mode="L")
+    elif im.mode == "F":
+        raise DataError(f"image {path} has floating-point pixels (mode F) with no known range; convert it to 8 or 16 bits")
+    return im.convert("RGB")
+
+
 def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int], size: Tuple[int, int] = (32, 32)) -> ImageDataset:
     """Class-per-folder images. ``root/train`` and ``root/test`` (or ``val``) if present, else a fixed
     90/10 split of ``root``. Images are decoded once, converted to RGB and resized to ``size``."""
@@ -225,7 +241,9 @@ def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int]
         for path, _ in ds.samples:
             try:
                 with Image.open(path) as im:
-                    xs.append(pil_to_tensor(im.convert("RGB").resize(size[::-1], Image.BICUBIC)))
+                    xs.append(pil_to_tensor(_to_rgb(im, path).resize(size[::-1], Image.BICUBIC)))
+            except Image.DecompressionBombError as e:
+                raise DataError(f"image {path} is too large to decode safely ({e}); shrink it, or raise PIL.Image.MAX_IMAGE_PIXELS") from None
             except (UnidentifiedImageError, OSError) as e:
                 raise DataError(f"cannot read image {path} ({e}); remove or replace it") from None
         return torch.stack(xs), torch.tensor(ds.targets, dtype=torch.long), ds.classes

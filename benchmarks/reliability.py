@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""Kill, interrupt and terminate training runs at random instants, resume them, and count what survived.
+
+    nice python benchmarks/reliability.py                    # 20 trials each of kill -9, Ctrl-C (SIGINT), SIGTERM
+    python benchmarks/reliability.py --trials 2 --smoke      # seconds: what the test suite runs
+
+Each trial starts ``train.py`` on the tiny config (a few seconds of training), sends the signal after a delay
+drawn uniformly from half a second before the reference run started training (while the run directory is
+made) to its end, then resumes the run (``--resume``; or starts it again
+when the signal came before its directory existed) until it finishes. A trial counts as
+
+- *intact* when what the signal left is a checkpoint that loads and passes its checksum, or a run directory
+  that ``--resume`` starts from its config (stopped before its first checkpoint), or nothing at all;
+- *bit-exact* when the resumed run's final weights are ``torch.equal`` to an uninterrupted run's.
+
+Results are written after every trial to ``docs/reliability/campaign.json`` and ``.md``; a stopped campaign
+continues where it stopped (finished trials are kept).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vitpe.checkpoint import CheckpointError, load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SIGNALS = {"kill -9": signal.SIGKILL, "Ctrl-C": signal.SIGINT, "SIGTERM": signal.SIGTERM}
+
+
+def run_train(args: list, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def weights(run: Path) -> dict:
+    return load_checkpoint(run)["model"]
+
+
+def trial(kind: str, delay: float, run: Path, train_args: list) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *train_args, "--out-dir", str(run.parent), "--name", run.name],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(delay)
+    finished_first = p.poll() is not None
+    if not finished_first:
+        p.send_signal(SIGNALS[kind])
+    out, _ = p.communicate(timeout=600)
+    row = {"kind": kind, "delay_s": round(delay, 2), "returncode": p.returncode, "finished_before_signal": finished_first}
+    if not run.exists():
+        row["left"] = "nothing (signal before the run directory existed)"
+        row["intact"] = True
+        resumed = run_train([*train_args, "--out-dir", str(run.parent), "--name", run.name])
+    elif not (run / "checkpoint.pt").exists():
+        row["left"] = "config only (before the first checkpoint)"
+        row["intact"] = (run / "config.yaml").is_file()
+        resumed = run_train(["--resume", str(run)])
+    else:
+        try:
+            state = load_checkpoint(run)
+            row["left"] = f"checkpoint at epoch {state['epoch']} step {state['step']}"
+            row["intact"] = True
+        except CheckpointError as e:
+            row["left"], row["intact"] = f"broken checkpoint: {e}", False
+        resumed = run_train(["--resume", str(run)]) if row["intact"] else None
+    row["resume_returncode"] = None if resumed is None else resumed.returncode
+    row["leftover_temporaries"] = len(list(run.glob(".checkpoint.pt.tmp*"))) if run.exists() else 0
+    return row
+
+
+def summarise(rows: list, reference_s: float, args: argparse.Namespace) -> str:
+    lines = ["# Reliability campaign", "",
+             f"{len(rows)} trials on the tiny config with --epochs {args.epochs} (reference run {reference_s:.1f} s wall, "
+             f"including start-up; signals drawn uniformly from 0.5 s before training starts to the end); torch {torch.__version__}, {os.cpu_count()} CPU cores; nothing else ran.", "",
+             "| signal | trials | finished before the signal | intact afterwards | resumed bit-exactly | temporaries left |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for kind in SIGNALS:
+        r = [x for x in rows if x["kind"] == kind]
+        if r:
+            lines.append(f"| {kind} | {len(r)} | {sum(x['finished_before_signal'] for x in r)} | {sum(x['intact'] for x in r)} | "
+                         f"{sum(x['bit_exact'] for x in r)} | {sum(x['leftover_temporaries'] for x in r)} |")
+    lines += ["", "Where the signals landed: " + ", ".join(sorted({x['left'].split(' at ')[0].split(':')[0] for x in rows}))]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=20, help="trials per signal")
+    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(ROOT / "docs" / "reliability"))
+    p.add_argument("--smoke", action="store_true", help="1 epoch: a seconds-long check that the campaign runs")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.epochs = 1
+    out = Path(args.out)
+    work = out / "runs"
+    work.mkdir(parents=True, exist_ok=True)
+    train_args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--epochs", str(args.epochs), "--set", "train.device=cpu"]
+    results = out / "campaign.json"
+    state = json.loads(results.read_text()) if results.exists() else {}
+    if state.get("epochs") != args.epochs:
+        state = {"epochs": args.epochs, "rows": []}
+
+    reference = work / f"reference-e{args.epochs}"
+    if not (reference / "checkpoint.pt").exists() or "reference_s" not in state:
+        if reference.exists():
+            import shutil
+
+            shutil.rmtree(reference)
+        t0 = time.time()
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *train_args, "--out-dir", str(work), "--name", reference.name],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            if line.startswith("run "):
+                state["start_s"] = time.time() - t0  # imports and data done: training starts
+        if proc.wait():
+            return 1
+        state["reference_s"] = time.time() - t0
+    ref = weights(reference)
+    rng = random.Random(args.seed)
+    plan = [(kind, i) for i in range(args.trials) for kind in SIGNALS]
+    done = {(r["kind"], r["trial"]) for r in state["rows"]}
+    from tqdm import tqdm
+
+    for kind, i in tqdm(plan, desc="trials", disable=not sys.stderr.isatty()):
+        delay = rng.uniform(state["start_s"] - 0.5, state["reference_s"])  # drawn for every trial: a resumed campaign keeps its plan
+        if (kind, i) in done:
+            continue
+        run = work / f"{kind.replace(' ', '').replace('-', '')}-{i}"
+        if run.exists():
+            import shutil
+
+            shutil.rmtree(run)
+        row = trial(kind, delay, run, train_args)
+        row["trial"] = i
+        final = weights(run) if row["resume_returncode"] == 0 else None
+        row["bit_exact"] = final is not None and final.keys() == ref.keys() and all(torch.equal(final[k], ref[k]) for k in ref)
+        state["rows"].append(row)
+        results.write_text(json.dumps(state, indent=1))
+        (out / "campaign.md").write_text(summarise(state["rows"], state["reference_s"], args))
+    print((out / "campaign.md").read_text())
+    return 0 if all(r["intact"] and r["bit_exact"] for r in state["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

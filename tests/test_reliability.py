@@ -1,0 +1,342 @@
+"""Nothing lost: runs that stop at any moment resume, checkpoints are never non-finite or silently corrupt,
+a run directory has one owner, and every bad value is one line (docs/reliability.md)."""
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+import eval as eval_script
+import train as train_script
+from vitpe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from vitpe.config import ConfigError
+from vitpe.data import DataError, load_dataset
+from vitpe.runs import RunError, RunLock
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")  # 8 steps per epoch, 2 epochs
+
+
+def train(out, name, *extra):
+    return train_script.main(["--config", TINY, "--out-dir", str(out), "--name", name, *extra])
+
+
+def same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rel")
+    assert train(out, "base") == 0
+    return out / "base"
+
+
+class Hooks:
+    """Global optimizer hooks for one test: faults at exact updates (1-based counts)."""
+
+    def __init__(self):
+        self.handles, self.n = [], 0
+
+    def at_update(self, k, pre=None, post=None):
+        def pre_hook(opt, args, kwargs):
+            self.n += 1
+            if self.n == k and pre:
+                pre(opt)
+
+        def post_hook(opt, args, kwargs):
+            if self.n == k and post:
+                post(opt)
+
+        self.handles += [register_optimizer_step_pre_hook(pre_hook), register_optimizer_step_post_hook(post_hook)]
+        return self
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+@pytest.fixture
+def hooks():
+    h = Hooks()
+    yield h
+    h.remove()
+
+
+def inf_gradient(opt):
+    p = opt.param_groups[0]["params"][0]
+    p.grad.fill_(float("inf"))
+
+
+# ---- 2. a run stopped before its first checkpoint ---------------------------------------------------------
+def test_a_run_killed_before_its_first_checkpoint_resumes_from_its_config(base, tmp_path, monkeypatch):
+    real = train_script.seed_step
+
+    def dies(*parts):
+        if parts[1:] == (0, 2):
+            raise SystemExit("killed")  # as a kill -9 would leave it: config.yaml, no checkpoint
+        real(*parts)
+
+    monkeypatch.setattr(train_script, "seed_step", dies)
+    with pytest.raises(SystemExit):
+        train(tmp_path, "early")
+    monkeypatch.undo()
+    assert not (tmp_path / "early" / "checkpoint.pt").exists() and (tmp_path / "early" / "config.yaml").is_file()
+    with pytest.raises(RunError, match="already exists; continue it with --resume"):
+        train(tmp_path, "early")
+    assert train_script.main(["--resume", str(tmp_path / "early")]) == 0
+    assert same_weights(load_checkpoint(tmp_path / "early")["model"], load_checkpoint(base)["model"])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--pe", "rope_mixd"], "did you mean 'rope_mixed'"),
+    (["--set", "train.batch_size=1000"], "larger than the 256 training images"),
+    (["--set", "model.pos_embed_kwargs={nope: 1}"], "unknown option .nope. for positional encoding .sincos2d."),
+    (["--set", "data.name=imagefolder:/nonexistent"], "is not a directory"),
+])
+def test_late_config_errors_leave_no_run_directory(tmp_path, extra, message):
+    with pytest.raises((ValueError, DataError), match=message):
+        train(tmp_path, "x", *extra)
+    assert not (tmp_path / "x").exists()
+
+
+# ---- 3. SIGTERM under torchrun ---------------------------------------------------------------------------
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_under_torchrun_saves_and_says_how_to_resume(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), "train.py",
+           "--config", TINY, "--set", "train.device=cpu", "--epochs", "200", "--out-dir", str(tmp_path), "--name", "ddp"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ckpt = tmp_path / "ddp" / "checkpoint.pt"
+    deadline = time.time() + 120
+    while not ckpt.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)  # what a scheduler sends to torchrun, which passes it on to every rank
+    out, _ = p.communicate(timeout=120)
+    assert "SIGTERM at epoch" in out and f"--resume {tmp_path / 'ddp'}" in out, out[-3000:]
+    state = load_checkpoint(tmp_path / "ddp")
+    assert 0 < state["epoch"] * 8 + state["step"] < 200 * 8
+
+
+# ---- 4. non-finite weights are never checkpointed ---------------------------------------------------------
+def test_an_inf_gradient_in_the_first_epoch_writes_no_checkpoint(tmp_path, hooks):
+    hooks.at_update(8, pre=inf_gradient)  # the epoch's last step: its loss was still finite
+    with pytest.raises(train_script.TrainingError, match="no checkpoint was written yet; python train.py --resume"):
+        train(tmp_path, "inf")
+    assert not (tmp_path / "inf" / "checkpoint.pt").exists()
+
+
+def test_an_inf_gradient_later_keeps_the_last_good_checkpoint_and_says_so(tmp_path, hooks):
+    hooks.at_update(16, pre=inf_gradient)
+    with pytest.raises(train_script.TrainingError, match=r"the last good checkpoint \(after epoch 1\) is kept"):
+        train(tmp_path, "inf")
+    state = load_checkpoint(tmp_path / "inf")
+    assert state["epoch"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_ctrl_c_after_a_bad_update_does_not_save_it(tmp_path, hooks):
+    hooks.at_update(3, pre=inf_gradient, post=lambda opt: os.kill(os.getpid(), signal.SIGINT))
+    with pytest.raises(train_script.TrainingError, match="became non-finite .* no checkpoint was written yet"):
+        train(tmp_path, "bad")
+    assert not (tmp_path / "bad" / "checkpoint.pt").exists()
+
+
+def test_a_second_ctrl_c_aborts_without_saving(tmp_path, hooks):
+    hooks.at_update(3, post=lambda opt: (os.kill(os.getpid(), signal.SIGINT), os.kill(os.getpid(), signal.SIGINT)))
+    assert train(tmp_path, "twice") == 130
+    assert not (tmp_path / "twice" / "checkpoint.pt").exists()
+
+
+# ---- 5, 6. temporaries and checksums ---------------------------------------------------------------------------
+def test_temporaries_of_killed_writes_are_removed(tmp_path):
+    dead = tmp_path / ".checkpoint.pt.tmp999999999"  # no such process
+    dead.write_bytes(b"x" * 1000)
+    save_checkpoint({"model": {"w": torch.ones(2)}, "model_args": {}, "config": {}}, tmp_path / "checkpoint.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+def test_a_flipped_byte_in_the_weights_is_caught(base, tmp_path):
+    raw = bytearray((base / "checkpoint.pt").read_bytes())
+    head = load_checkpoint(base)["model"]["head.weight"].numpy().tobytes()
+    at = raw.find(head[:64])
+    assert at > 0
+    raw[at + 5] ^= 0x10
+    flipped = tmp_path / "flipped.pt"
+    flipped.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="do not match the checksum"):
+        load_checkpoint(flipped)
+    with pytest.raises(CheckpointError, match="do not match the checksum"):
+        eval_script.main([str(flipped), "--resolutions", "16", "--out", str(tmp_path / "e")])
+    assert not load_checkpoint(flipped, verify=False)["model"]["head.weight"].equal(load_checkpoint(base)["model"]["head.weight"])
+    assert eval_script.main([str(flipped), "--resolutions", "16", "--no-verify", "--out", str(tmp_path / "e2")]) == 0
+
+
+# ---- 7. 16-bit images ----------------------------------------------------------------------------------
+def test_16_bit_grayscale_pngs_are_scaled_not_clipped(tmp_path):
+    ramp = np.linspace(0, 65535, 32 * 32).reshape(32, 32).astype(np.uint16)
+    for split in ("train", "test"):
+        for c in ("a", "b"):
+            (tmp_path / split / c).mkdir(parents=True)
+            Image.fromarray(ramp).save(tmp_path / split / c / "x.png")  # a 16-bit PNG
+    assert Image.open(tmp_path / "train" / "a" / "x.png").mode.startswith("I")
+    ds = load_dataset(f"imagefolder:{tmp_path}", image_size=(32, 32))
+    x = ds.split(True, (32, 32))[0][0, 0].float()
+    expected = torch.from_numpy(ramp.astype(np.float64) / 257)
+    assert (x - expected).abs().max() <= 4  # bicubic resize at the same size rounds; clipping would give 255 almost everywhere
+    Image.fromarray(np.full((8, 8), 0.5, dtype=np.float32)).save(tmp_path / "train" / "a" / "f.tiff")
+    with pytest.raises(DataError, match=r"f\.tiff has floating-point pixels"):
+        load_dataset(f"imagefolder:{tmp_path}", image_size=(32, 32))
+
+
+# ---- 8. values YAML reads oddly ---------------------------------------------------------------------------
+def test_scientific_notation_and_numeric_names(tmp_path):
+    cfg = tmp_path / "sci.yaml"
+    cfg.write_text(Path(TINY).read_text().replace("lr: 0.001", "lr: 5e-4"))
+    assert train_script.main(["--config", str(cfg), "--out-dir", str(tmp_path), "--name", "2024", "--epochs", "1",
+                              "--set", "train.min_lr=1e-6"]) == 0
+    saved = load_checkpoint(tmp_path / "2024")["config"]
+    assert saved["train"]["lr"] == 5e-4 and saved["train"]["min_lr"] == 1e-6 and saved["name"] == "2024"
+    assert train(tmp_path, "yes", "--epochs", "1", "--set", "train.lr=3e-4") == 0
+    assert load_checkpoint(tmp_path / "yes")["config"]["name"] == "yes"
+
+
+# ---- 9. metrics survive an interrupt during evaluation ----------------------------------------------------------
+def test_ctrl_c_during_evaluation_keeps_that_epochs_metrics(base, tmp_path, monkeypatch):
+    real = train_script.evaluate
+
+    def interrupted(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_script, "evaluate", interrupted)
+    assert train(tmp_path, "ev") == 130
+    monkeypatch.undo()
+    rows = [json.loads(line) for line in (tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1] and load_checkpoint(tmp_path / "ev")["epoch"] == 1
+    assert train_script.main(["--resume", str(tmp_path / "ev")]) == 0
+    assert same_weights(load_checkpoint(tmp_path / "ev")["model"], load_checkpoint(base)["model"])
+
+
+# ---- 10. one process per run directory --------------------------------------------------------------------------
+def test_a_run_in_use_is_refused_naming_its_process(base):
+    with RunLock(base):
+        with pytest.raises(RunError, match=f"is in use by process {os.getpid()}"):
+            train_script.main(["--resume", str(base)])
+    code = f"from vitpe.runs import RunLock; import time\nwith RunLock({str(base)!r}):\n    print('locked', flush=True); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        with pytest.raises(RunError, match=f"is in use by process {child.pid}"):
+            train_script.main(["--resume", str(base)])
+    finally:
+        child.kill()
+        child.wait()
+    with RunLock(base):  # the kernel released it with the process
+        pass
+
+
+# ---- 11. a hung rank ----------------------------------------------------------------------------------------------
+def test_a_hung_rank_stops_the_run_with_its_name_within_the_timeout(tmp_path):
+    port = free_port()
+    script = (
+        "import os, sys, time\nimport train\nreal = train.seed_step\n"
+        "def seed_step(*p):\n"
+        "    if os.environ['RANK'] == '1' and p[1:] == (0, 2):\n        time.sleep(60)\n"
+        "    real(*p)\n"
+        "train.seed_step = seed_step\n"
+        f"sys.exit(train.cli())\n"
+    )
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        argv = ["--config", TINY, "--set", "train.device=cpu", "--set", "train.dist_timeout_s=3", "--out-dir", str(tmp_path), "--name", "hung"]
+        procs.append(subprocess.Popen([sys.executable, "-c", script, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        t0 = time.time()
+        _, err = procs[0].communicate(timeout=50)
+        assert procs[0].returncode == 1 and time.time() - t0 < 45
+        assert "no answer from the other processes within train.dist_timeout_s=3s; rank 1 stopped answering at epoch 1 step 2" in err, err
+        assert len(err.strip().splitlines()) == 1
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+# ---- 12. bad values: one line each, with the valid range ----------------------------------------------------------------
+@pytest.mark.parametrize("override, message", [
+    ("model.num_heads=0", r"model\.num_heads=0 is out of range; it must be in \[1, inf\)"),
+    ("model.embed_dim=0", r"model\.embed_dim=0 is out of range"),
+    ("model.depth=0", r"model\.depth=0 is out of range"),
+    ("model.embed_dim=33", r"model\.embed_dim=33 must be divisible by model\.num_heads=2"),
+    ("model.drop_path_rate=2", r"model\.drop_path_rate=2\.0 is out of range; it must be in \[0, 1\)"),
+    ("train.label_smoothing=5", r"train\.label_smoothing=5\.0 is out of range"),
+    ("data.train_size=-5", r"data\.train_size=-5 is out of range"),
+    ("train.eval_batch_size=0", r"train\.eval_batch_size=0 is out of range"),
+    ("train.lr=0", r"train\.lr=0\.0 is out of range; it must be in \(0, inf\)"),
+])
+def test_out_of_range_values_are_one_clear_line(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        train(tmp_path, "x", "--set", override)
+    assert not (tmp_path / "x").exists()
+
+
+def test_other_bad_inputs_are_one_clear_line(base, tmp_path, monkeypatch, capsys):
+    for bad in (["--batch-size", "0"], ["--batch-size", "-1"], ["--test-size", "-3"]):
+        with pytest.raises(SystemExit):
+            eval_script.main([str(base), *bad])
+        assert "must be at least 1" in capsys.readouterr().err
+    state = load_checkpoint(base)
+    del state["optimizer"]
+    (tmp_path / "noopt").mkdir()
+    save_checkpoint({k: v for k, v in state.items() if k not in ("format", "checksum")}, tmp_path / "noopt" / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="has no 'optimizer' state: it can be evaluated"):
+        train_script.main(["--resume", str(tmp_path / "noopt")])
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    with pytest.raises(RunError, match="is a file, not a directory"):
+        train_script.main(["--config", TINY, "--out-dir", str(a_file)])
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("model:\n  depth: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line \d+, column \d+"):
+        train_script.main(["--config", str(bad_yaml)])
+    big = tmp_path / "big"
+    for split in ("train", "test"):
+        (big / split / "a").mkdir(parents=True)
+        Image.new("RGB", (64, 64)).save(big / split / "a" / "huge.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    with pytest.raises(DataError, match=r"huge\.png is too large to decode safely"):
+        load_dataset(f"imagefolder:{big}")
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(base, tmp_path, monkeypatch, capsys):
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "full" / "checkpoint.pt"))
+
+    monkeypatch.setattr(train_script, "save_checkpoint", full)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--config", TINY, "--out-dir", str(tmp_path), "--name", "full"])
+    assert train_script.cli() == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: No space left on device") and len(err.splitlines()) == 1
+    monkeypatch.setattr(eval_script, "plot", full)
+    monkeypatch.setattr(sys, "argv", ["eval.py", str(base), "--resolutions", "16", "--out", str(tmp_path / "ev")])
+    assert eval_script.cli() == 1
+    assert "No space left on device" in capsys.readouterr().err and not (tmp_path / "ev").exists()

@@ -1,0 +1,92 @@
+"""Run directories: one name per run, never overwritten, held by one process at a time; their metrics files."""
+from __future__ import annotations
+
+import csv
+import errno
+import json
+import os
+import re
+from pathlib import Path
+from typing import List, Optional
+
+__all__ = ["RunError", "safe_name", "create_run_dir", "RunLock", "write_metrics", "pid_alive"]
+
+LOCK_NAME = ".lock"
+
+
+class RunError(RuntimeError):
+    """A run directory that cannot be used as asked (taken, in use, not a directory)."""
+
+
+def safe_name(name: str) -> str:
+    """A run name usable as a directory name ('+', ':' and '/' become '_')."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+
+
+def create_run_dir(out_dir: str | Path, name: str) -> Path:
+    """Make ``out_dir/name`` for a new run; one line of error if it exists or ``out_dir`` is not a directory.
+    ``mkdir`` is atomic, so of two processes starting the same name exactly one gets it."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise RunError(f"out_dir {out} is a file, not a directory; give --out-dir a directory")
+    run = out / safe_name(name)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        run.mkdir()
+    except FileExistsError:
+        raise RunError(f"run directory {run} already exists; continue it with --resume {run}, or pick another --name") from None
+    return run
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """An exclusive lock on a run directory for as long as a process trains it (``fcntl.flock``: the kernel
+    drops it when the process dies, however it dies). A second process gets :class:`RunError` naming the holder."""
+
+    def __init__(self, run: Path) -> None:
+        self.path = Path(run) / LOCK_NAME
+        self._fd: Optional[int] = None
+
+    def __enter__(self) -> "RunLock":
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                raise RunError(f"run {self.path.parent} is in use by process {holder}; wait for it to finish or stop it, then --resume") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock; the file stays (it says nothing without the lock)
+            self._fd = None
+
+
+def write_metrics(run: Path, rows: List[dict]) -> None:
+    """Rewrite metrics.jsonl and metrics.csv from all epochs so far (small, and exact after a resume), atomically."""
+    tmp = run / ".metrics.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, run / "metrics.jsonl")
+    flat = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows]  # per-class lists: JSONL only
+    with open(run / ".metrics.csv.tmp", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
+        w.writeheader()
+        w.writerows(flat)
+    os.replace(run / ".metrics.csv.tmp", run / "metrics.csv")
