@@ -27,7 +27,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 
-import train as train_script  # noqa: E402
 import vitpe  # noqa: E402
 from study_runs import train_or_reuse  # noqa: E402
 from vitpe.checkpoint import load_checkpoint  # noqa: E402
