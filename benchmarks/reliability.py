@@ -6,7 +6,7 @@
 
 Each trial starts ``train.py`` on the tiny config (a few seconds of training), sends the signal after a delay
 drawn uniformly from half a second before the reference run started training (while the run directory is
-made) to its end, then resumes the run (``--resume``; or starts it again
+made) to the moment it wrote its last checkpoint, then resumes the run (``--resume``; or starts it again
 when the signal came before its directory existed) until it finishes. A trial counts as
 
 - *intact* when what the signal left is a checkpoint that loads and passes its checksum, or a run directory
@@ -79,7 +79,7 @@ def trial(kind: str, delay: float, run: Path, train_args: list) -> dict:
 def summarise(rows: list, reference_s: float, args: argparse.Namespace) -> str:
     lines = ["# Reliability campaign", "",
              f"{len(rows)} trials on the tiny config with --epochs {args.epochs} (reference run {reference_s:.1f} s wall, "
-             f"including start-up; signals drawn uniformly from 0.5 s before training starts to the end); torch {torch.__version__}, {os.cpu_count()} CPU cores; nothing else ran.", "",
+             f"including start-up; signals drawn uniformly from 0.5 s before training starts to its last checkpoint); torch {torch.__version__}, {os.cpu_count()} CPU cores; nothing else ran.", "",
              "| signal | trials | finished before the signal | intact afterwards | resumed bit-exactly | temporaries left |",
              "| --- | --- | --- | --- | --- | --- |"]
     for kind in SIGNALS:
@@ -87,7 +87,17 @@ def summarise(rows: list, reference_s: float, args: argparse.Namespace) -> str:
         if r:
             lines.append(f"| {kind} | {len(r)} | {sum(x['finished_before_signal'] for x in r)} | {sum(x['intact'] for x in r)} | "
                          f"{sum(x['bit_exact'] for x in r)} | {sum(x['leftover_temporaries'] for x in r)} |")
-    lines += ["", "Where the signals landed: " + ", ".join(sorted({x['left'].split(' at ')[0].split(':')[0] for x in rows}))]
+    def where(x: dict) -> str:
+        if x["finished_before_signal"]:
+            return "after the run had finished"
+        if x["left"].startswith("checkpoint"):
+            return "mid-epoch (checkpoint at a step)" if not x["left"].endswith("step 0") else "checkpoint at an epoch's end"
+        return x["left"]
+
+    places = {}
+    for x in rows:
+        places[where(x)] = places.get(where(x), 0) + 1
+    lines += ["", "What the signals left: " + "; ".join(f"{k}: {v}" for k, v in sorted(places.items(), key=lambda kv: -kv[1])) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -111,7 +121,7 @@ def main(argv=None) -> int:
         state = {"epochs": args.epochs, "rows": []}
 
     reference = work / f"reference-e{args.epochs}"
-    if not (reference / "checkpoint.pt").exists() or "reference_s" not in state:
+    if not (reference / "checkpoint.pt").exists() or "end_s" not in state:
         if reference.exists():
             import shutil
 
@@ -123,6 +133,8 @@ def main(argv=None) -> int:
         for line in proc.stdout:
             if line.startswith("run "):
                 state["start_s"] = time.time() - t0  # imports and data done: training starts
+            if line.startswith("done in"):
+                state["end_s"] = time.time() - t0  # the last checkpoint is written
         if proc.wait():
             return 1
         state["reference_s"] = time.time() - t0
@@ -133,7 +145,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     for kind, i in tqdm(plan, desc="trials", disable=not sys.stderr.isatty()):
-        delay = rng.uniform(state["start_s"] - 0.5, state["reference_s"])  # drawn for every trial: a resumed campaign keeps its plan
+        delay = rng.uniform(state["start_s"] - 0.5, state["end_s"])  # drawn for every trial: a resumed campaign keeps its plan
         if (kind, i) in done:
             continue
         run = work / f"{kind.replace(' ', '').replace('-', '')}-{i}"
@@ -148,6 +160,7 @@ def main(argv=None) -> int:
         state["rows"].append(row)
         results.write_text(json.dumps(state, indent=1))
         (out / "campaign.md").write_text(summarise(state["rows"], state["reference_s"], args))
+    (out / "campaign.md").write_text(summarise(state["rows"], state["reference_s"], args))
     print((out / "campaign.md").read_text())
     return 0 if all(r["intact"] and r["bit_exact"] for r in state["rows"]) else 1
 
