@@ -118,6 +118,16 @@ class PosEmbed(nn.Module):
         """``grid`` in this PE's own coordinate mode, if it has one."""
         return grid.in_mode(self.coord_mode)
 
+    @staticmethod
+    def _timm_weight(weights: Dict[str, Tensor], key: str, own: Tensor, what: str) -> Dict[str, Tensor]:
+        """``{name: weights[key]}`` for the one-tensor case of :meth:`from_timm`; ``{}`` if absent, an error if misshapen."""
+        value = weights.get(key)
+        if value is None:
+            return {}
+        if value.shape != own.shape:
+            raise ValueError(f"timm {key} {tuple(value.shape)} does not fit {what} {tuple(own.shape)}")
+        return {what.rpartition(".")[2]: value}
+
     # ---- caching ---------------------------------------------------------------------------------
     def _cached(self, key: Optional[Hashable], fn: Callable[[], object]) -> object:
         """``fn()``, remembered under ``key`` (least recently used evicted); ``key=None`` computes afresh."""

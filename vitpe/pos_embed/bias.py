@@ -66,12 +66,7 @@ class RelativePositionBias(PosEmbed):
 
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """Swin's ``relative_position_bias_table``: vitpe indexes it exactly as Swin does."""
-        table = weights.get("relative_position_bias_table")
-        if table is None:
-            return {}
-        if table.shape != self.table.shape:
-            raise ValueError(f"Swin relative_position_bias_table {tuple(table.shape)} does not fit rel_bias {tuple(self.table.shape)}")
-        return {"table": table}
+        return self._timm_weight(weights, "relative_position_bias_table", self.table, "rel_bias.table")
 
 
 @register_pos_embed("cpb")

@@ -53,9 +53,4 @@ class RopeMixed(PosEmbed):
 
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """RoPE-ViT's mixed frequencies (timm's ``rope.freqs``, ``(2, depth, heads, head_dim/2)``, x then y)."""
-        freqs = weights.get("rope.freqs")
-        if freqs is None:
-            return {}
-        if freqs.shape != self.freqs.shape:
-            raise ValueError(f"timm rope.freqs {tuple(freqs.shape)} does not fit rope_mixed frequencies {tuple(self.freqs.shape)} (per_layer={self.per_layer})")
-        return {"freqs": freqs}
+        return self._timm_weight(weights, "rope.freqs", self.freqs, "rope_mixed.freqs")
