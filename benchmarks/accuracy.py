@@ -22,15 +22,13 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+import torch
+
+import vitpe
+from vitpe.checkpoint import load_checkpoint
+from vitpe.runs import safe_name, train_or_reuse
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-import torch  # noqa: E402
-
-import vitpe  # noqa: E402
-from study_runs import train_or_reuse  # noqa: E402
-from vitpe.checkpoint import load_checkpoint  # noqa: E402
-from vitpe.runs import safe_name  # noqa: E402
 
 CONFIGS = ROOT / "configs"
 # The PE comparison: one recipe per dataset, only the PE changes. Budgets sized for 2 CPU cores (about a

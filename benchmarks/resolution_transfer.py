@@ -21,18 +21,16 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+import torch
+
+import vitpe
+from vitpe.evaluation import plot as plot_accuracy
+from vitpe.checkpoint import model_from_checkpoint
+from vitpe.runs import safe_name, train_or_reuse
+from vitpe.data import load_dataset
+from vitpe.engine import evaluate
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-import torch  # noqa: E402
-
-import eval as eval_script  # noqa: E402
-import vitpe  # noqa: E402
-from study_runs import train_or_reuse  # noqa: E402
-from vitpe.checkpoint import model_from_checkpoint  # noqa: E402
-from vitpe.runs import safe_name  # noqa: E402
-from vitpe.data import load_dataset  # noqa: E402
-from vitpe.engine import evaluate  # noqa: E402
 
 SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 4.0)
 CONFIGS = {"shapes": ROOT / "configs" / "shapes.yaml", "fashion_mnist": ROOT / "configs" / "fashion_mnist.yaml"}
@@ -100,7 +98,7 @@ def write_outputs(rows: List[Dict], out: Path) -> None:
             lines.append(f"| {label} | " + " | ".join(acc) + f" | {drop:+.1f} |")
         lines.append("")
         # The plot: the coordinate route in interpolate mode (the patch route is nearly flat: see the table).
-        eval_script.plot([r for r in sub if r["route"] == "coords" and r["coord_mode"] == "interpolate"],
+        plot_accuracy([r for r in sub if r["route"] == "coords" and r["coord_mode"] == "interpolate"],
                          out / f"{data}.png", f"top-1 against resolution, {data} (trained at {sub[0]['train_size']}px)")
     (out / "table.md").write_text("\n".join(lines))
 

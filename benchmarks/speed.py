@@ -18,15 +18,14 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List
 
+import torch
+import torch.nn.functional as F
+
+import vitpe
+from vitpe.data import load_dataset
+from vitpe.data.augment import BatchAugment, normalize
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import vitpe  # noqa: E402
-from vitpe.data import load_dataset  # noqa: E402
-from vitpe.data.augment import BatchAugment, normalize  # noqa: E402
 
 ARCHS = {
     "cifar (192d, 6 blocks, patch 4, 32px)": dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0),

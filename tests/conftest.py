@@ -1,12 +1,7 @@
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import vitpe
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # train.py and eval.py are scripts at the top
 
 # Every registered family plus combinations that exercise each way of combining (additive+rotary,
 # additive+bias+conditional).

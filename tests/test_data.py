@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-import train as train_script
+from vitpe import training as train_script
 from vitpe.data import DataError, SHAPES_CLASSES, load_dataset, render_shapes, shapes_params
 from vitpe.data import datasets as D
 from vitpe.data.augment import BatchAugment

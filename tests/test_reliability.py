@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-import eval as eval_script
-import train as train_script
+from vitpe import evaluation as eval_script
+from vitpe import training as train_script
 from vitpe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from vitpe.config import ConfigError
 from vitpe.data import DataError, load_dataset
@@ -255,12 +255,12 @@ def test_a_run_in_use_is_refused_naming_its_process(base):
 def test_a_hung_rank_stops_the_run_with_its_name_within_the_timeout(tmp_path):
     port = free_port()
     script = (
-        "import os, sys, time\nimport train\nreal = train.seed_step\n"
+        "import os, sys, time\nimport vitpe.training as train\nreal = train.seed_step\n"
         "def seed_step(*p):\n"
         "    if os.environ['RANK'] == '1' and p[1:] == (0, 2):\n        time.sleep(60)\n"
         "    real(*p)\n"
         "train.seed_step = seed_step\n"
-        f"sys.exit(train.cli())\n"
+        "sys.exit(train.cli(sys.argv[1:]))\n"
     )
     procs = []
     for rank in (0, 1):

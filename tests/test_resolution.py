@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import eval as eval_script
-import train as train_script
+from vitpe import evaluation as eval_script
+from vitpe import training as train_script
 import vitpe
 from vitpe.checkpoint import load_checkpoint
 from vitpe.config import ConfigError

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import eval as eval_script
-import train as train_script
+from vitpe import evaluation as eval_script
+from vitpe import training as train_script
 from vitpe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from vitpe.config import ConfigError
 from vitpe.runs import RunError

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import train as train_script
+from vitpe import training as train_script
 import vitpe
 from vitpe import viz
 

@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterator, Tuple, Union
 
 import torch
 
+from .errors import VitpeError
 from .vit import VisionTransformer
 
 __all__ = [
@@ -21,7 +22,7 @@ FORMAT = "vitpe-checkpoint-v1"
 CHECKPOINT_NAME = "checkpoint.pt"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(VitpeError, RuntimeError):
     """A checkpoint that is missing, truncated, foreign or from an incompatible model."""
 
 

@@ -12,13 +12,16 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import yaml
 
+from .errors import VitpeError
 from .suggest import did_you_mean
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "Config", "load_config", "apply_overrides", "train_resolutions"]
 
 
-class ConfigError(ValueError):
+class ConfigError(VitpeError):
     """A config file or override that cannot be used as given."""
+
+    exit_code = 2
 
 
 @dataclass

@@ -9,12 +9,14 @@ import re
 from pathlib import Path
 from typing import List, Optional
 
-__all__ = ["RunError", "safe_name", "create_run_dir", "RunLock", "write_metrics", "pid_alive"]
+from .errors import VitpeError
+
+__all__ = ["RunError", "safe_name", "create_run_dir", "RunLock", "write_metrics", "pid_alive", "train_or_reuse"]
 
 LOCK_NAME = ".lock"
 
 
-class RunError(RuntimeError):
+class RunError(VitpeError, RuntimeError):
     """A run directory that cannot be used as asked (taken, in use, not a directory)."""
 
 
@@ -90,3 +92,23 @@ def write_metrics(run: Path, rows: List[dict]) -> None:
         w.writeheader()
         w.writerows(flat)
     os.replace(run / ".metrics.csv.tmp", run / "metrics.csv")
+
+
+def train_or_reuse(run: Path, args: List[str], label: str) -> Path:
+    """What the hand-run studies share: train ``train.py ARGS --out-dir run.parent --name run.name`` once; a
+    finished run is reused and an interrupted one resumed, so a study stopped half-way continues where it stopped."""
+    from .checkpoint import load_checkpoint
+    from .training import main as train_main
+
+    if (run / "checkpoint.pt").is_file():
+        state = load_checkpoint(run)
+        if state["epoch"] >= state["config"]["train"]["epochs"]:
+            print(f"[{label}] reusing finished run {run}")
+            return run
+        print(f"[{label}] resuming {run}")
+        rc = train_main(["--resume", str(run)])
+    else:
+        rc = train_main([*args, "--out-dir", str(run.parent), "--name", run.name])
+    if rc != 0:
+        raise SystemExit(f"training {run} failed with exit code {rc}")
+    return run

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .shapes import SHAPES_CLASSES, render_shapes, shapes_params
+from ..errors import VitpeError
 from ..suggest import did_you_mean
 
 __all__ = ["DataError", "ImageDataset", "load_dataset", "list_datasets", "resize_images", "DEBIAN_FASHION_MNIST"]
@@ -28,7 +29,7 @@ DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 _FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
-class DataError(RuntimeError):
+class DataError(VitpeError, RuntimeError):
     """A dataset that is missing, corrupt or unknown; the message says how to fix it."""
 
 

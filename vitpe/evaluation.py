@@ -1,0 +1,187 @@
+"""Evaluate trained checkpoints at several resolutions: a table, JSON, CSV and a plot.
+
+    python eval.py runs/shapes-sincos2d-...                            # 0.5x .. 2x the training size
+    python eval.py runs/A runs/B --resolutions 16 32 48 64 128         # compare runs on one table and plot
+    python eval.py runs/A --resolutions 32x48 --coord-mode both       # non-square; both coordinate modes
+    python eval.py runs/A --resolutions 32 64 128 --route both         # new grid, or FlexiViT's resized patches
+
+The model is rebuilt from the checkpoint alone. ``shapes`` is rendered natively at each resolution;
+other data is resized (antialiased). Results go to RUN/eval-TIMESTAMP/ (or --out): results.json,
+results.csv and accuracy_vs_resolution.png.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from vitpe.checkpoint import CheckpointError, model_from_checkpoint  # noqa: F401 (CheckpointError: raised through)
+from vitpe.errors import run_cli
+from vitpe.config import ConfigError
+from vitpe.data import DataError, load_dataset
+from vitpe.engine import amp_dtype, evaluate, resolve_device
+
+DEFAULT_SCALES = (0.5, 0.75, 1.0, 1.5, 2.0)
+
+
+def parse_resolution(text: str) -> Tuple[int, int]:
+    h, _, w = text.lower().partition("x")
+    try:
+        size = (int(h), int(w or h))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"resolution {text!r} must be N or HxW, e.g. 64 or 32x48") from None
+    if min(size) < 1:
+        raise argparse.ArgumentTypeError(f"resolution {text!r} must be positive")
+    return size
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CHECKPOINT")
+    p.add_argument("--resolutions", nargs="+", type=parse_resolution, metavar="N|HxW",
+                   help="input sizes (default: 0.5, 0.75, 1, 1.5, 2 x each run's training size, rounded to its patch size)")
+    p.add_argument("--data", help="dataset to evaluate on (default: each run's own)")
+    p.add_argument("--data-dir", help="dataset directory (default: each run's own, else ./data)")
+    p.add_argument("--test-size", type=positive_int, help="evaluate on the first N test images")
+    p.add_argument("--coord-mode", choices=["checkpoint", "interpolate", "extrapolate", "both"], default="checkpoint",
+                   help="patch coordinates at new resolutions (default: what each run was trained with)")
+    p.add_argument("--route", choices=["coords", "patch", "both"], default="coords",
+                   help="meet a new resolution with new coordinates on a new token grid (coords), or by resizing the "
+                        "patch embedding to keep the trained grid (patch: FlexiViT's PI-resize)")
+    p.add_argument("--batch-size", type=positive_int, default=256)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-ema", action="store_true", help="use the raw weights even if the run kept an EMA")
+    p.add_argument("--no-verify", action="store_true", help="load checkpoints whose checksum does not match")
+    p.add_argument("--out", help="output directory (default: FIRST_RUN/eval-TIMESTAMP)")
+    return p.parse_args(argv)
+
+
+def default_resolutions(img_size: int, patch: int) -> List[Tuple[int, int]]:
+    sizes = sorted({max(patch, round(s * img_size / patch) * patch) for s in DEFAULT_SCALES})
+    return [(s, s) for s in sizes]
+
+
+def plot(rows: List[Dict], path: Path, title: str) -> None:
+    from vitpe.viz import finish_plot, pyplot
+
+    fig, ax = pyplot().subplots(figsize=(7, 4.5), dpi=120)
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    colours = pyplot().get_cmap("tab20").colors if len(labels) > 10 else [f"C{i}" for i in range(10)]  # distinct past 10 lines
+    for i, label in enumerate(labels):
+        pts = sorted((r["height"] * r["width"], r["top1"], r["resolution"]) for r in rows if r["label"] == label)
+        ax.plot([p[0] ** 0.5 for p in pts], [100 * p[1] for p in pts], marker="o", label=label, color=colours[i % len(colours)])
+    train_sizes = sorted({r["train_size"] for r in rows})
+    for s in train_sizes:
+        ax.axvline(s, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ticks = sorted({(r["height"] * r["width"]) ** 0.5 for r in rows})
+    ax.set_xticks(ticks, [next(r["resolution"] for r in rows if (r["height"] * r["width"]) ** 0.5 == t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("input resolution (dotted: training resolution)")
+    ax.set_ylabel("top-1 accuracy (%)")
+    finish_plot(fig, ax, title, path)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    rows: List[Dict] = []
+    datasets: Dict[Tuple, object] = {}
+    for ckpt in args.checkpoints:
+        model, state = model_from_checkpoint(ckpt, map_location="cpu", ema=not args.no_ema, verify=not args.no_verify)
+        model.to(device)
+        cfg = state["config"]
+        patch, train_size = model.patch_size, cfg["model"]["img_size"]
+        resolutions = args.resolutions or default_resolutions(train_size, patch)
+        routes = ["coords", "patch"] if args.route == "both" else [args.route]
+        ref_h, ref_w = model.ref_grid
+        for h, w in resolutions:
+            if "coords" in routes and (h % patch or w % patch):
+                raise ConfigError(f"resolution {h}x{w} is not a multiple of the patch size {patch} of {ckpt}; "
+                                  f"use multiples of {patch}, e.g. {round(h / patch) * patch or patch}")
+            if "patch" in routes and (h % ref_h or w % ref_w or h // ref_h != w // ref_w):
+                raise ConfigError(f"--route patch keeps the {ref_h}x{ref_w} token grid, so resolution {h}x{w} must be k*{ref_h} x k*{ref_w}")
+        name = args.data or cfg["data"]["name"]
+        data_dir = args.data_dir or cfg["data"]["data_dir"]
+        test_size = args.test_size or (cfg["data"]["test_size"] if name == cfg["data"]["name"] else None)
+        key = (name, data_dir, test_size)
+        if key not in datasets:
+            datasets[key] = load_dataset(name, data_dir, None, test_size, (train_size, train_size))
+        ds = datasets[key]
+        if ds.num_classes != model.num_classes or ds.in_chans != model.in_chans:
+            raise ConfigError(f"{ckpt} was trained for {model.num_classes} classes / {model.in_chans} channels, but {name} has "
+                              f"{ds.num_classes} / {ds.in_chans}; evaluate it on its own dataset ({cfg['data']['name']})")
+        modes = {"checkpoint": [cfg["model"]["coord_mode"]], "both": ["interpolate", "extrapolate"]}.get(args.coord_mode, [args.coord_mode])
+        dtype = amp_dtype(cfg["train"]["amp"], device)
+        variants = [(m, r) for r in routes for m in (modes if r == "coords" else modes[:1])]  # patch route: the trained grid
+        for mode, route in variants:
+            model.coord_mode = mode
+            label = cfg["model"]["pos_embed"] + (f" ({mode})" if len(modes) > 1 or args.coord_mode != "checkpoint" else "")
+            label += " (patch resize)" if route == "patch" else ""
+            if any(r["label"] == label and r["run"] != str(ckpt) for r in rows):
+                label = f"{label} [{Path(ckpt).name}]"
+            for h, w in resolutions:
+                images, labels = ds.split(False, (h, w))
+                t0 = time.time()
+                res = evaluate(model, images, labels, ds.mean, ds.std, args.batch_size, device, dtype, progress=sys.stderr.isatty(),
+                               desc=f"{label} @ {h}x{w}", patch_size=h // ref_h if route == "patch" else None)
+                rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg["model"]["pos_embed"], "coord_mode": mode, "route": route,
+                             "data": name, "train_size": train_size, "resolution": f"{h}x{w}" if h != w else str(h),
+                             "height": h, "width": w, "scale": round((h * w) ** 0.5 / train_size, 4), **res,
+                             "seconds": round(time.time() - t0, 2)})
+
+    first = Path(args.checkpoints[0])
+    out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"output {out} exists and is not an empty directory; choose another --out")
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        (out / "results.json").write_text(json.dumps(rows, indent=2))
+        flat = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows]  # per-class lists stay in the JSON
+        with open(out / "results.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
+            writer.writeheader()
+            writer.writerows(flat)
+        plot(rows, out / "accuracy_vs_resolution.png", f"top-1 against resolution ({', '.join(sorted({r['data'] for r in rows}))})")
+    except BaseException:  # disk full, Ctrl-C: leave no half-written results behind
+        shutil.rmtree(out) if made else [p.unlink() for p in out.iterdir()]
+        raise
+
+    # The table: one row per resolution, one column per run/mode.
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    reso = list(dict.fromkeys(r["resolution"] for r in rows))
+    width = max(12, *(len(l) + 2 for l in labels))
+    print("top-1 (%) by resolution" + " " * 2 + "".join(f"{l:>{width}}" for l in labels))
+    for res in reso:
+        cells = []
+        for l in labels:
+            hit = [r for r in rows if r["label"] == l and r["resolution"] == res]
+            cells.append(f"{100 * hit[0]['top1']:>{width}.2f}" if hit else f"{'-':>{width}}")
+        print(f"{res:<25}" + "".join(cells))
+    print(f"\nresults: {out / 'results.json'}, {out / 'results.csv'}\nplot:    {out / 'accuracy_vs_resolution.png'}")
+    return 0
+
+
+def cli(argv: Optional[List[str]] = None) -> int:
+    """The command line: errors are one line and an exit code (:func:`vitpe.errors.run_cli`)."""
+    return run_cli(main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,455 @@
+"""Train a ViT classifier with any positional encoding.
+
+    python train.py                                        # shapes, the built-in dataset, ~4 min on 2 CPU cores
+    python train.py --config configs/fashion_mnist.yaml --set model.pos_embed=rope_mixed
+    python train.py --resume runs/shapes-sincos2d-20261121-120000
+    torchrun --nproc_per_node 2 train.py --config configs/tiny.yaml     # gloo on CPU, NCCL on GPUs
+
+Every run gets its own directory (never overwritten, locked while it trains) holding config.yaml,
+checkpoint.pt (written atomically each epoch, and at the next step boundary on Ctrl-C or SIGTERM) and
+metrics.jsonl / metrics.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from vitpe import VisionTransformer
+from vitpe.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_model_state, non_finite, save_checkpoint
+from vitpe.config import Config, ConfigError, apply_overrides, config_from_dict, load_config, save_config, train_resolutions
+from vitpe.data import DataError, load_dataset, resize_images
+from vitpe.data.augment import BatchAugment, normalize
+from vitpe.engine import amp_dtype, autocast, evaluate, resolve_device, seed_step
+from vitpe.errors import VitpeError, run_cli
+from vitpe.runs import RunError, RunLock, create_run_dir, safe_name, write_metrics  # noqa: F401 (safe_name: public name)
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shapes.yaml"  # the repository's configs/
+
+
+class TrainingError(VitpeError, RuntimeError):
+    """Training cannot go on (e.g. the loss diverged); the message says what to do."""
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help=f"YAML config (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[1])})")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set model.pos_embed=rope_mixed --set train.epochs=5")
+    p.add_argument("--data", help="shortcut for --set data.name=NAME")
+    p.add_argument("--data-dir", help="shortcut for --set data.data_dir=DIR")
+    p.add_argument("--pe", help="shortcut for --set model.pos_embed=NAME")
+    p.add_argument("--epochs", type=int, help="shortcut for --set train.epochs=N")
+    p.add_argument("--name", help="run directory name under out_dir (must not exist yet)")
+    p.add_argument("--out-dir", help="where run directories go (default: runs)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run exactly where it stopped")
+    p.add_argument("--no-verify", action="store_true", help="resume from a checkpoint whose checksum does not match")
+    return p.parse_args(argv)
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    cfg = load_config(args.config or str(DEFAULT_CONFIG))
+    shortcuts = [("data.name", args.data), ("data.data_dir", args.data_dir), ("model.pos_embed", args.pe),
+                 ("train.epochs", args.epochs), ("name", args.name), ("out_dir", args.out_dir)]
+    overrides = [f"{k}={v}" for k, v in shortcuts if v is not None] + args.overrides
+    return apply_overrides(cfg, overrides)
+
+
+def run_name(cfg: Config) -> str:
+    return cfg.name or f"{cfg.data.name}-{cfg.model.pos_embed}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def resume_state(args: argparse.Namespace) -> Tuple[Optional[Dict[str, Any]], Config, Path]:
+    """What ``--resume`` continues: the checkpoint, or a run stopped before its first one (from its config, at step 0)."""
+    if args.config or args.overrides or any(getattr(args, k) for k in ("data", "data_dir", "pe", "epochs", "name", "out_dir")):
+        raise ConfigError("a resumed run continues with its saved config; start a new run to change settings")
+    given = Path(args.resume)
+    run = given if given.is_dir() else given.parent
+    if given.is_dir() and not (given / CHECKPOINT_NAME).exists() and (given / "config.yaml").is_file():
+        return None, load_config(str(given / "config.yaml")), run
+    state = load_checkpoint(args.resume, verify=not args.no_verify)
+    for key in ("optimizer", "scheduler", "epoch", "step"):
+        if key not in state:
+            raise CheckpointError(f"checkpoint {args.resume} has no '{key}' state: it can be evaluated (eval.py) but not resumed")
+    return state, config_from_dict(state["config"]), run
+
+
+class StopRequest:
+    """Ctrl-C and SIGTERM (what Slurm, Kubernetes and torchrun send) become a request to stop at the next step
+    boundary, where weights, optimizer and step counter agree; a second Ctrl-C aborts at once without saving."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, log) -> None:
+        self.signum = 0
+        self._log = log
+        self._old: Dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.signum = signum
+        self._log(f"\n{signal.Signals(signum).name}: stopping after this step (Ctrl-C again to abort without saving)", file=sys.stderr)
+
+    def agreed(self, distributed: bool, device: torch.device) -> int:
+        """The signal any process received (all processes stop at the same step under torchrun)."""
+        if not distributed:
+            return self.signum
+        flag = torch.tensor([self.signum], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+class Progress:
+    """Where every process is, in the process group's store, so that a hung rank can be named."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        try:
+            self.store = dist.distributed_c10d._get_default_store()
+        except Exception:  # a private API: without it the message just names no rank
+            self.store = None
+
+    def mark(self, epoch: int, step: int, stage: int = 0) -> None:
+        """``stage`` 0: at the step's start; 1: about to enter the step's gradient all-reduce."""
+        if self.store is not None:
+            self.store.set(f"vitpe/progress/{self.rank}", f"{epoch} {step} {stage}")
+
+    def laggards(self) -> str:
+        if self.store is None:
+            return ""
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=2))
+            at = {r: tuple(map(int, self.store.get(f"vitpe/progress/{r}").split())) for r in range(self.world)}
+        except Exception:
+            return ""
+        behind = [r for r, p in at.items() if p < at[self.rank]]
+        if not behind:
+            return ""
+        return f"; rank {', '.join(map(str, behind))} stopped answering at epoch {at[behind[0]][0] + 1} step {at[behind[0]][1]}"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    distributed = world > 1
+    log = print if rank == 0 else (lambda *a, **k: None)
+
+    # ---- config: everything is checked before a run directory exists ----------------------------------
+    if args.resume:
+        state, cfg, run = resume_state(args)
+    else:
+        state, cfg, run = None, resolve_config(args), None
+    if cfg.train.batch_size % world:
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by the {world} processes")
+    if (cfg.data.mixup > 0 or cfg.data.cutmix > 0) and (cfg.train.batch_size // world) % 2:
+        raise ConfigError(f"mixup/cutmix pair images within a batch: train.batch_size per process ({cfg.train.batch_size // world}) must be even")
+    device = resolve_device(cfg.train.device)
+    dtype = amp_dtype(cfg.train.amp, device)
+
+    # ---- data ------------------------------------------------------------------------------------
+    size = (cfg.model.img_size, cfg.model.img_size)
+    ds = load_dataset(cfg.data.name, cfg.data.data_dir, cfg.data.train_size, cfg.data.test_size, size)
+    train_x, train_y = ds.split(True, size)
+    test_x, test_y = ds.split(False, size)
+    # Multi-resolution training: shapes is rendered natively at each size once; other data is resized per batch.
+    sizes = train_resolutions(cfg)
+    train_at = {s: ds.split(True, (s, s))[0] if ds.renders_natively else train_x for s in sizes}
+    augment = BatchAugment(cfg.data.augment, flip=ds.flip_ok)
+    steps_per_epoch = len(train_y) // cfg.train.batch_size
+    if steps_per_epoch == 0:
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the {len(train_y)} training images")
+    total_steps = cfg.train.epochs * steps_per_epoch
+
+    # ---- model, optimiser, schedule ----------------------------------------------------------------
+    from timm.data import Mixup
+    from timm.loss import SoftTargetCrossEntropy
+    from timm.optim import create_optimizer_v2
+    from timm.scheduler import CosineLRScheduler
+    from timm.utils import ModelEmaV3
+
+    seed_step(cfg.train.seed)
+    model_args = dict(vars(cfg.model), num_classes=ds.num_classes, in_chans=ds.in_chans)
+    model = VisionTransformer(**model_args).to(device)
+    optimizer = create_optimizer_v2(model, "adamw", lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    warmup = round(cfg.train.warmup_epochs * steps_per_epoch)
+    scheduler = CosineLRScheduler(optimizer, t_initial=max(total_steps - warmup, 1), lr_min=cfg.train.min_lr, warmup_t=warmup,
+                                  warmup_lr_init=cfg.train.lr * 1e-3, warmup_prefix=True, t_in_epochs=False)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    ema = ModelEmaV3(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+    mixup = None
+    if cfg.data.mixup > 0 or cfg.data.cutmix > 0:
+        mixup = Mixup(mixup_alpha=cfg.data.mixup, cutmix_alpha=cfg.data.cutmix, label_smoothing=cfg.train.label_smoothing, num_classes=ds.num_classes)
+    criterion = SoftTargetCrossEntropy() if mixup else torch.nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+
+    epoch, step, rows, partial = 0, 0, [], {}
+    if state is not None:
+        load_model_state(model, state["model"], str(args.resume))
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            scaler.load_state_dict(state["scaler"])
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {args.resume} has optimizer state for another model ({str(e)[:100]}); start a new run") from None
+        if ema is not None:
+            load_model_state(ema.module, state["ema"], str(args.resume))
+        epoch, step, rows, partial = state["epoch"], state["step"], state["metrics"], state.get("partial_epoch") or {}
+    last_saved = None if state is None else (state["epoch"], state["step"])
+
+    # ---- run directory: only now, when everything above has been checked ---------------------------------
+    if run is None:
+        if rank == 0:
+            run = create_run_dir(cfg.out_dir, run_name(cfg))
+        if distributed:
+            dist.init_process_group("gloo" if device.type != "cuda" else "nccl", timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))
+            names = [str(run)]
+            dist.broadcast_object_list(names, src=0)  # rank 0 chose the name (it may hold a timestamp)
+            run = Path(names[0])
+    elif distributed:
+        dist.init_process_group("gloo" if device.type != "cuda" else "nccl", timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))
+    if distributed and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        model.to(device)
+    lock = RunLock(run) if rank == 0 else None
+    try:
+        if lock is not None:
+            lock.__enter__()
+            if not (run / "config.yaml").exists():
+                save_config(cfg, run / "config.yaml")
+        if state is not None:
+            log(f"resuming {run} at epoch {epoch + 1}, step {step}/{steps_per_epoch}")
+        elif args.resume:
+            log(f"{run} has no checkpoint yet (it stopped before its first): starting it from step 0 with its saved config")
+        return train_loop(Job(
+            cfg=cfg, run=run, rank=rank, world=world, device=device, dtype=dtype, log=log, ds=ds, train_at=train_at,
+            train_y=train_y, test_x=test_x, test_y=test_y, sizes=sizes, augment=augment, model=model, model_args=model_args,
+            optimizer=optimizer, scheduler=scheduler, scaler=scaler, ema=ema, mixup=mixup, criterion=criterion,
+            steps_per_epoch=steps_per_epoch, epoch=epoch, step=step, rows=rows, partial=partial, last_saved=last_saved,
+        ))
+    finally:
+        if lock is not None:
+            lock.__exit__()
+        if distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass
+class Job:
+    """Everything :func:`main` prepared for :func:`train_loop`: one run, where it stands, and its parts."""
+
+    cfg: Config
+    run: Path
+    rank: int
+    world: int
+    device: torch.device
+    dtype: Optional[torch.dtype]
+    log: Callable[..., None]
+    ds: Any
+    train_at: Dict[int, torch.Tensor]
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    sizes: List[int]
+    augment: Any
+    model: VisionTransformer
+    model_args: Dict[str, Any]
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    ema: Any
+    mixup: Any
+    criterion: Any
+    steps_per_epoch: int
+    epoch: int
+    step: int
+    rows: List[dict]
+    partial: Dict[str, float]
+    last_saved: Optional[Tuple[int, int]]
+
+
+def train_loop(job: Job) -> int:
+    """The epochs and steps of one run, from where ``job`` stands."""
+    j = job
+    cfg, run, model, optimizer, scheduler, scaler, ema = j.cfg, j.run, j.model, j.optimizer, j.scheduler, j.scaler, j.ema
+    rank, world, device, dtype, log = j.rank, j.world, j.device, j.dtype, j.log
+    distributed = world > 1
+    ds, train_at, train_y, test_x, test_y, sizes = j.ds, j.train_at, j.train_y, j.test_x, j.test_y, j.sizes
+    augment, mixup, criterion, steps_per_epoch = j.augment, j.mixup, j.criterion, j.steps_per_epoch
+    epoch, step, rows, partial, last_saved, model_args = j.epoch, j.step, j.rows, j.partial, j.last_saved, j.model_args
+
+    net = model
+    if cfg.train.compile:
+        net = torch.compile(net)
+    if distributed:
+        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def kept() -> str:
+        """What is on disk to continue from, truthfully."""
+        if last_saved is None:
+            return f"no checkpoint was written yet; python train.py --resume {run} starts it again from step 0"
+        e, s = last_saved
+        at = f"after epoch {e}" if s == 0 else f"at epoch {e + 1} step {s}"
+        return f"the last good checkpoint ({at}) is kept in {run}"
+
+    def checkpoint(at_epoch: int, at_step: int, progress: Optional[dict] = None) -> None:
+        """Save, unless the weights are not finite: a checkpoint is always one to continue from."""
+        nonlocal last_saved
+        bad = non_finite(model.state_dict()) + ([] if ema is None else non_finite(ema.module.state_dict()))
+        if bad:
+            raise TrainingError(f"the weights became non-finite ({len(bad)} tensors, e.g. {bad[0]}) at epoch {at_epoch + 1} step {at_step}; "
+                                f"{kept()}. Lower train.lr, keep train.grad_clip on, or use train.amp=bf16 instead of fp16")
+        if rank == 0:
+            save_checkpoint({
+                "config": cfg.to_dict(), "model_args": model_args, "data": ds.describe(), "model": model.state_dict(),
+                "ema": ema.module.state_dict() if ema is not None else None, "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": at_epoch, "step": at_step,
+                "metrics": rows, "partial_epoch": progress,
+            }, run / CHECKPOINT_NAME)
+        last_saved = (at_epoch, at_step)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"run {run}: {cfg.data.name} ({len(train_y)} train / {len(test_x)} test, {ds.num_classes} classes), "
+        f"ViT {n_params / 1e6:.2f}M params, pe={cfg.model.pos_embed}, {device}{f' x{world}' if distributed else ''}, "
+        f"amp={dtype}, {cfg.train.epochs} epochs x {steps_per_epoch} steps"
+        + (f", resolutions {sizes}" if len(sizes) > 1 else ""))
+
+    from tqdm import tqdm
+
+    local_batch = cfg.train.batch_size // world
+    started = time.time()
+    progress = Progress(rank, world) if distributed else None
+    with StopRequest(log) as stop:
+        try:
+            while epoch < cfg.train.epochs:
+                net.train()
+                perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(cfg.train.seed * 1009 + epoch))
+                # A resumed epoch goes on counting from where it stopped, so its metrics cover all its steps.
+                seen, correct = partial.get("seen", 0), partial.get("correct", 0)
+                loss_sum = torch.tensor(partial.get("loss_sum", 0.0), device=device, dtype=torch.float64)
+                t_data, t_before = partial.get("data_s", 0.0), partial.get("epoch_s", 0.0)
+                partial, t_epoch = {}, time.time()
+                bar = tqdm(total=steps_per_epoch, initial=step, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
+                           disable=rank != 0 or not sys.stderr.isatty(), dynamic_ncols=True)
+                while step < steps_per_epoch:
+                    if progress is not None:
+                        progress.mark(epoch, step)
+                    signum = stop.agreed(distributed, device)
+                    if signum:
+                        bar.close()
+                        checkpoint(epoch, step, {"seen": seen, "correct": correct, "loss_sum": loss_sum.item(), "data_s": t_data,
+                                                 "epoch_s": t_before + time.time() - t_epoch})
+                        log(f"{signal.Signals(signum).name} at epoch {epoch + 1} step {step}; checkpoint saved. "
+                            f"Continue with: python train.py --resume {run}")
+                        return 128 + signum
+                    t0 = time.time()
+                    seed_step(cfg.train.seed, epoch, step)  # same on every rank: the global batch is augmented identically
+                    idx = perm[step * cfg.train.batch_size : (step + 1) * cfg.train.batch_size]
+                    res = sizes[torch.randint(len(sizes), ()).item()] if len(sizes) > 1 else sizes[0]
+                    x = train_at[res][idx]
+                    x = x if x.shape[-1] == res else resize_images(x, (res, res))
+                    x = augment(x)[rank * local_batch : (rank + 1) * local_batch]
+                    y = train_y[idx][rank * local_batch : (rank + 1) * local_batch]
+                    x, y = normalize(x.to(device, non_blocking=True), ds.mean, ds.std), y.to(device, non_blocking=True)
+                    seed_step(cfg.train.seed, epoch, step, rank)  # per-rank: dropout, drop-path, mixup
+                    target = y
+                    if mixup is not None:
+                        x, target = mixup(x, y)
+                    t_data += time.time() - t0
+                    with autocast(device, dtype):
+                        logits = net(x)
+                        loss = criterion(logits.float(), target)
+                    optimizer.zero_grad(set_to_none=True)
+                    if progress is not None:
+                        progress.mark(epoch, step, 1)
+                    scaler.scale(loss).backward()
+                    if cfg.train.grad_clip > 0:
+                        scaler.unscale_(optimizer)
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+                    scaler.step(optimizer)
+                    scaler.update()
+                    step += 1
+                    scheduler.step_update(epoch * steps_per_epoch + step)
+                    if ema is not None:
+                        ema.update(model)
+                    loss_sum += loss.detach().double() * len(y)
+                    correct += (logits.argmax(1) == y).sum().item()
+                    seen += len(y)
+                    if step % 10 == 0 or step == steps_per_epoch:  # a sync every 10 steps, not every step
+                        avg = loss_sum.item() / seen
+                        if not math.isfinite(avg):
+                            raise TrainingError(f"loss became {avg} at epoch {epoch + 1} step {step}; {kept()}. "
+                                                f"Lower train.lr, keep train.grad_clip on, or use train.amp=bf16 instead of fp16")
+                        bar.set_postfix(loss=f"{avg:.3f}", acc=f"{correct / seen:.3f}", img_s=f"{seen * world / (time.time() - t_epoch):.0f}")
+                    bar.update(1)
+                bar.close()
+                elapsed = t_before + time.time() - t_epoch
+                if rank == 0:
+                    test = evaluate(ema.module if ema is not None else model, test_x, test_y, ds.mean, ds.std,
+                                    cfg.train.eval_batch_size, device, dtype)
+                    if not math.isfinite(test["loss"]):
+                        raise TrainingError(f"test loss became {test['loss']} after epoch {epoch + 1}; {kept()}. Lower train.lr")
+                    rows.append({"epoch": epoch + 1, "train_loss": loss_sum.item() / max(seen, 1), "train_acc": correct / max(seen, 1),
+                                 "test_loss": test["loss"], "test_top1": test["top1"], **({"test_top5": test["top5"]} if "top5" in test else {}),
+                                 "test_per_class_top1": [round(a, 4) for a in test["per_class_top1"]], "lr": optimizer.param_groups[0]["lr"],
+                                 "images_per_s": seen * world / elapsed, "data_time_frac": t_data / elapsed, "epoch_s": elapsed,
+                                 "wall_s": time.time() - started})
+                epoch, step = epoch + 1, 0
+                checkpoint(epoch, 0)  # checkpoint first: metrics never run ahead of the weights
+                if rank == 0:
+                    write_metrics(run, rows)
+                    r = rows[-1]
+                    log(f"epoch {epoch}/{cfg.train.epochs}: train loss {r['train_loss']:.3f} acc {r['train_acc']:.3f} | "
+                        f"test loss {r['test_loss']:.3f} top-1 {r['test_top1']:.4f} | {r['images_per_s']:.0f} img/s, "
+                        f"data {100 * r['data_time_frac']:.0f}% of step time, {elapsed:.0f}s")
+                if distributed:
+                    dist.barrier()
+                limit = cfg.train.time_limit_min
+                if limit is not None and time.time() - started > 60 * limit and epoch < cfg.train.epochs:
+                    log(f"time limit of {limit} min reached after epoch {epoch}; continue with: python train.py --resume {run}")
+                    return 0
+        except KeyboardInterrupt:  # the second Ctrl-C: the state may be mid-update, so nothing is saved
+            log(f"\naborted without saving; {kept()}")
+            return 130
+        except RuntimeError as e:
+            text = str(e).lower()
+            if distributed and not isinstance(e, TrainingError) and ("timed out" in text or "timeout" in text):
+                raise TrainingError(f"rank {rank}: no answer from the other processes within train.dist_timeout_s="
+                                    f"{cfg.train.dist_timeout_s:g}s{progress.laggards() if progress else ''}; {kept()}") from None
+            raise
+
+    if rows:
+        log(f"done in {time.time() - started:.0f}s: test top-1 {rows[-1]['test_top1']:.4f}\n"
+            f"  run:        {run}\n  checkpoint: {run / CHECKPOINT_NAME}\n  metrics:    {run / 'metrics.csv'} (and metrics.jsonl)\n"
+            f"  evaluate at other resolutions: python eval.py {run}")
+    return 0
+
+
+def cli(argv: Optional[List[str]] = None) -> int:
+    """The command line: errors are one line and an exit code (:func:`vitpe.errors.run_cli`)."""
+    return run_cli(main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
