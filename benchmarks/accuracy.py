@@ -14,7 +14,6 @@ OUT/accuracy.csv (one row per run, merged with earlier rows), OUT/pe_table.md an
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import sys
@@ -26,7 +25,7 @@ import torch
 
 import vitpe
 from vitpe.checkpoint import load_checkpoint
-from vitpe.runs import safe_name, train_or_reuse
+from vitpe.runs import safe_name, train_or_reuse, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,11 +52,7 @@ def result_row(run: Path, suite: str, data: str, seed: int) -> Dict:
 
 def write_outputs(rows: List[Dict], out: Path) -> None:
     (out / "accuracy.json").write_text(json.dumps(rows, indent=1))
-    flat = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]
-    with open(out / "accuracy.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
-        w.writeheader()
-        w.writerows(flat)
+    write_csv(rows, out / "accuracy.csv")
     pe_rows = [r for r in rows if r["suite"] == "pe"]
     if pe_rows:
         write_pe_table(pe_rows, out)

@@ -14,7 +14,6 @@ coordinate route, and to the nearest multiple of the token grid for the patch-re
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import time
@@ -24,11 +23,11 @@ from typing import Dict, List
 import torch
 
 import vitpe
-from vitpe.evaluation import plot as plot_accuracy
 from vitpe.checkpoint import model_from_checkpoint
-from vitpe.runs import safe_name, train_or_reuse
-from vitpe.data import load_dataset
-from vitpe.engine import evaluate
+from vitpe.coords import snap
+from vitpe.evaluation import dataset_of, evaluate_at
+from vitpe.evaluation import plot as plot_accuracy
+from vitpe.runs import safe_name, train_or_reuse, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,10 +38,6 @@ ROBUST = {
     "rope_mixed+multires": ["--pe", "rope_mixed", "--set", "train.resolution_range=[16, 64]"],
     "sincos2d+multires": ["--pe", "sincos2d", "--set", "train.resolution_range=[16, 64]"],
 }
-
-
-def nearest(size: float, multiple: int) -> int:
-    return max(multiple, int(round(size / multiple)) * multiple)
 
 
 def train_one(data: str, name: str, extra: List[str], args, runs: Path) -> Path:
@@ -60,32 +55,24 @@ def evaluate_run(run: Path, data: str, name: str, args) -> List[Dict]:
     cfg = state["config"]
     size, patch = cfg["model"]["img_size"], model.patch_size
     ref = model.ref_grid[0]
-    ds = load_dataset(cfg["data"]["name"], cfg["data"]["data_dir"], None, args.eval_size or cfg["data"]["test_size"])
+    ds = dataset_of(cfg, test_size=args.eval_size)
     rows = []
     modes = ["interpolate", "extrapolate"] if name not in ("none", "peg") else ["interpolate"]  # both modes agree without coordinates
     for scale in SCALES:
-        variants = [(m, "coords", nearest(scale * size, patch)) for m in modes]
-        variants.append(("interpolate", "patch", nearest(scale * size, ref)))
-        for mode, route, res in variants:
-            model.coord_mode = mode
-            images, labels = ds.split(False, (res, res))
-            t0 = time.time()
-            r = evaluate(model, images, labels, ds.mean, ds.std, 256, torch.device("cpu"), None,
-                         patch_size=res // ref if route == "patch" else None)
-            label = f"{name} ({mode})" if route == "coords" else f"{name} (patch resize)"
-            rows.append({"data": data, "pe": name, "coord_mode": mode, "route": route, "label": label, "scale": scale,
-                         "resolution": str(res), "height": res, "width": res, "train_size": size, "top1": r["top1"],
-                         "loss": r["loss"], "n": r["n"], "seconds": round(time.time() - t0, 2), "run": str(run)})
-            print(f"[{data} {name}] {label:<40} {res:>4}px ({scale}x): top-1 {100 * r['top1']:.2f}")
+        plan = [(m, "coords", (snap(scale * size, patch),) * 2) for m in modes]
+        plan.append(("interpolate", "patch", (snap(scale * size, ref),) * 2))
+        for r in evaluate_at(model, ds, plan, torch.device("cpu"), desc=f"{data} {name}"):
+            label = f"{name} ({r['coord_mode']})" if r["route"] == "coords" else f"{name} (patch resize)"
+            rows.append({"data": data, "pe": name, "coord_mode": r["coord_mode"], "route": r["route"], "label": label, "scale": scale,
+                         "resolution": r["resolution"], "height": r["height"], "width": r["width"], "train_size": size, "top1": r["top1"],
+                         "loss": r["loss"], "n": r["n"], "seconds": r["seconds"], "run": str(run)})
+            print(f"[{data} {name}] {label:<40} {r['height']:>4}px ({scale}x): top-1 {100 * r['top1']:.2f}")
     return rows
 
 
 def write_outputs(rows: List[Dict], out: Path) -> None:
     (out / "results.json").write_text(json.dumps(rows, indent=1))
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(rows, out / "results.csv")
     lines = []
     for data in dict.fromkeys(r["data"] for r in rows):
         sub = [r for r in rows if r["data"] == data]

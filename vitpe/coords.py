@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["COORD_MODES", "grid_coords", "PatchGrid", "CoordAugment", "to_2tuple"]
+__all__ = ["COORD_MODES", "grid_coords", "PatchGrid", "CoordAugment", "to_2tuple", "snap"]
 
 COORD_MODES = ("interpolate", "extrapolate")
 CoordMode = Literal["interpolate", "extrapolate"]
@@ -31,6 +31,12 @@ def to_2tuple(size: Size2, what: str = "size") -> Tuple[int, int]:
     if min(out) < 1:
         raise ValueError(f"{what} must be positive, got {out}")
     return out
+
+
+def snap(size: float, multiple: int) -> int:
+    """The multiple of ``multiple`` nearest to ``size``, at least ``multiple``: the one rounding rule for input
+    sizes (suggested fixes, default evaluation sizes, study resolutions)."""
+    return max(multiple, int(round(size / multiple)) * multiple)
 
 
 def _axis(n: int, ref: int, mode: str) -> Tuple[float, float]:

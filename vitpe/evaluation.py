@@ -12,19 +12,22 @@ results.csv and accuracy_vs_resolution.png.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
-from vitpe.checkpoint import CheckpointError, model_from_checkpoint  # noqa: F401 (CheckpointError: raised through)
-from vitpe.errors import run_cli
+import torch
+
+from vitpe.checkpoint import model_from_checkpoint
 from vitpe.config import ConfigError
-from vitpe.data import DataError, load_dataset
+from vitpe.coords import COORD_MODES, snap
+from vitpe.data import load_dataset
 from vitpe.engine import amp_dtype, evaluate, resolve_device
+from vitpe.errors import run_cli
+from vitpe.runs import write_csv
 
 DEFAULT_SCALES = (0.5, 0.75, 1.0, 1.5, 2.0)
 
@@ -72,8 +75,34 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def default_resolutions(img_size: int, patch: int) -> List[Tuple[int, int]]:
-    sizes = sorted({max(patch, round(s * img_size / patch) * patch) for s in DEFAULT_SCALES})
+    sizes = sorted({snap(s * img_size, patch) for s in DEFAULT_SCALES})
     return [(s, s) for s in sizes]
+
+
+def dataset_of(config: Dict, name: Optional[str] = None, data_dir: Optional[str] = None, test_size: Optional[int] = None,
+               image_size: Optional[Tuple[int, int]] = None):
+    """The dataset a checkpoint's ``config`` was trained on (or ``name``), with its test subset unless another is given."""
+    own = config["data"]
+    name = name or own["name"]
+    test_size = test_size or (own["test_size"] if name == own["name"] else None)
+    size = image_size or (config["model"]["img_size"],) * 2
+    return load_dataset(name, data_dir or own["data_dir"], None, test_size, size)
+
+
+def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], device: torch.device, dtype: Optional[torch.dtype] = None,
+                batch_size: int = 256, desc: str = "") -> Iterator[Dict]:
+    """``model`` on ``ds``'s test split for each ``(coord_mode, route, (h, w))`` of ``plan``: route ``"coords"`` meets
+    the size with new coordinates on a new token grid, ``"patch"`` with FlexiViT's resized patch embedding on the
+    trained grid. Yields one row per entry (top-1, top-5, loss, per-class top-1, n, seconds) as it finishes."""
+    ref_h = model.ref_grid[0]
+    for mode, route, (h, w) in plan:
+        model.coord_mode = mode
+        images, labels = ds.split(False, (h, w))
+        t0 = time.time()
+        res = evaluate(model, images, labels, ds.mean, ds.std, batch_size, device, dtype, progress=sys.stderr.isatty(),
+                       desc=f"{desc} @ {h}x{w}", patch_size=h // ref_h if route == "patch" else None)
+        yield {"coord_mode": mode, "route": route, "resolution": f"{h}x{w}" if h != w else str(h), "height": h, "width": w,
+               **res, "seconds": round(time.time() - t0, 2)}
 
 
 def plot(rows: List[Dict], path: Path, title: str) -> None:
@@ -113,37 +142,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         for h, w in resolutions:
             if "coords" in routes and (h % patch or w % patch):
                 raise ConfigError(f"resolution {h}x{w} is not a multiple of the patch size {patch} of {ckpt}; "
-                                  f"use multiples of {patch}, e.g. {round(h / patch) * patch or patch}")
+                                  f"use multiples of {patch}, e.g. {snap(h, patch)}")
             if "patch" in routes and (h % ref_h or w % ref_w or h // ref_h != w // ref_w):
                 raise ConfigError(f"--route patch keeps the {ref_h}x{ref_w} token grid, so resolution {h}x{w} must be k*{ref_h} x k*{ref_w}")
-        name = args.data or cfg["data"]["name"]
-        data_dir = args.data_dir or cfg["data"]["data_dir"]
-        test_size = args.test_size or (cfg["data"]["test_size"] if name == cfg["data"]["name"] else None)
-        key = (name, data_dir, test_size)
+        key = (args.data or cfg["data"]["name"], args.data_dir, args.test_size, train_size)
         if key not in datasets:
-            datasets[key] = load_dataset(name, data_dir, None, test_size, (train_size, train_size))
-        ds = datasets[key]
+            datasets[key] = dataset_of(cfg, args.data, args.data_dir, args.test_size)
+        ds, name = datasets[key], key[0]
         if ds.num_classes != model.num_classes or ds.in_chans != model.in_chans:
             raise ConfigError(f"{ckpt} was trained for {model.num_classes} classes / {model.in_chans} channels, but {name} has "
                               f"{ds.num_classes} / {ds.in_chans}; evaluate it on its own dataset ({cfg['data']['name']})")
-        modes = {"checkpoint": [cfg["model"]["coord_mode"]], "both": ["interpolate", "extrapolate"]}.get(args.coord_mode, [args.coord_mode])
+        modes = {"checkpoint": [cfg["model"]["coord_mode"]], "both": list(COORD_MODES)}.get(args.coord_mode, [args.coord_mode])
         dtype = amp_dtype(cfg["train"]["amp"], device)
         variants = [(m, r) for r in routes for m in (modes if r == "coords" else modes[:1])]  # patch route: the trained grid
         for mode, route in variants:
-            model.coord_mode = mode
             label = cfg["model"]["pos_embed"] + (f" ({mode})" if len(modes) > 1 or args.coord_mode != "checkpoint" else "")
             label += " (patch resize)" if route == "patch" else ""
             if any(r["label"] == label and r["run"] != str(ckpt) for r in rows):
                 label = f"{label} [{Path(ckpt).name}]"
-            for h, w in resolutions:
-                images, labels = ds.split(False, (h, w))
-                t0 = time.time()
-                res = evaluate(model, images, labels, ds.mean, ds.std, args.batch_size, device, dtype, progress=sys.stderr.isatty(),
-                               desc=f"{label} @ {h}x{w}", patch_size=h // ref_h if route == "patch" else None)
-                rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg["model"]["pos_embed"], "coord_mode": mode, "route": route,
-                             "data": name, "train_size": train_size, "resolution": f"{h}x{w}" if h != w else str(h),
-                             "height": h, "width": w, "scale": round((h * w) ** 0.5 / train_size, 4), **res,
-                             "seconds": round(time.time() - t0, 2)})
+            for row in evaluate_at(model, ds, [(mode, route, hw) for hw in resolutions], device, dtype, args.batch_size, label):
+                rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg["model"]["pos_embed"], "data": name,
+                             "train_size": train_size, "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
 
     first = Path(args.checkpoints[0])
     out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -153,11 +172,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         (out / "results.json").write_text(json.dumps(rows, indent=2))
-        flat = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows]  # per-class lists stay in the JSON
-        with open(out / "results.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
-            writer.writeheader()
-            writer.writerows(flat)
+        write_csv(rows, out / "results.csv")  # per-class lists stay in the JSON
         plot(rows, out / "accuracy_vs_resolution.png", f"top-1 against resolution ({', '.join(sorted({r['data'] for r in rows}))})")
     except BaseException:  # disk full, Ctrl-C: leave no half-written results behind
         shutil.rmtree(out) if made else [p.unlink() for p in out.iterdir()]

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from .errors import VitpeError
 
-__all__ = ["RunError", "safe_name", "create_run_dir", "RunLock", "write_metrics", "pid_alive", "train_or_reuse"]
+__all__ = ["RunError", "safe_name", "create_run_dir", "RunLock", "write_metrics", "write_csv", "pid_alive", "train_or_reuse"]
 
 LOCK_NAME = ".lock"
 
@@ -81,17 +81,25 @@ class RunLock:
             self._fd = None
 
 
+def write_csv(rows: List[dict], path: Path) -> None:
+    """``rows`` as a CSV (columns: every key in first-seen order; list and dict values, e.g. per-class accuracies,
+    left to the JSON), written atomically."""
+    path = Path(path)
+    flat = [{k: v for k, v in r.items() if not isinstance(v, (list, dict))} for r in rows]
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
+        w.writeheader()
+        w.writerows(flat)
+    os.replace(tmp, path)
+
+
 def write_metrics(run: Path, rows: List[dict]) -> None:
     """Rewrite metrics.jsonl and metrics.csv from all epochs so far (small, and exact after a resume), atomically."""
     tmp = run / ".metrics.jsonl.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     os.replace(tmp, run / "metrics.jsonl")
-    flat = [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows]  # per-class lists: JSONL only
-    with open(run / ".metrics.csv.tmp", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in flat for k in r)))
-        w.writeheader()
-        w.writerows(flat)
-    os.replace(run / ".metrics.csv.tmp", run / "metrics.csv")
+    write_csv(rows, run / "metrics.csv")
 
 
 def train_or_reuse(run: Path, args: List[str], label: str) -> Path:

@@ -14,7 +14,7 @@ from einops import rearrange
 from timm.layers import DropPath, Mlp, trunc_normal_
 from torch import Tensor, nn
 
-from .coords import COORD_MODES, CoordAugment, PatchGrid, to_2tuple
+from .coords import COORD_MODES, CoordAugment, PatchGrid, snap, to_2tuple
 from .patch import resize_patch_embed
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
 
@@ -256,7 +256,7 @@ class VisionTransformer(nn.Module):
         h, w = img_hw
         p = patch_size or self.patch_size
         if h % p or w % p or h < p or w < p:
-            fix = (max(p, round(h / p) * p), max(p, round(w / p) * p))
+            fix = (snap(h, p), snap(w, p))
             raise ValueError(f"input size {h}x{w} is not a multiple of patch_size {p}; resize or crop it, e.g. to {fix[0]}x{fix[1]}")
         return h // p, w // p
 

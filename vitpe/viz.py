@@ -239,14 +239,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
 
     from .checkpoint import model_from_checkpoint
-    from .data import load_dataset
     from .data.augment import normalize
+    from .evaluation import dataset_of
 
     results = {}
     for ckpt in args.checkpoints:
         model, state = model_from_checkpoint(ckpt)
         cfg = state["config"]
-        ds = load_dataset(cfg["data"]["name"], cfg["data"]["data_dir"], None, args.images)
+        ds = dataset_of(cfg, test_size=args.images)
         for res in args.resolutions or [cfg["model"]["img_size"]]:
             model.grid_size((res, res))  # a clear error for sizes that are not multiples of the patch
             images, _ = ds.split(False, (res, res))
