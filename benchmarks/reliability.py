@@ -79,7 +79,8 @@ def trial(kind: str, delay: float, run: Path, train_args: list) -> dict:
 def summarise(rows: list, reference_s: float, args: argparse.Namespace) -> str:
     lines = ["# Reliability campaign", "",
              f"{len(rows)} trials on the tiny config with --epochs {args.epochs} (reference run {reference_s:.1f} s wall, "
-             f"including start-up; signals drawn uniformly from 0.5 s before training starts to its last checkpoint); torch {torch.__version__}, {os.cpu_count()} CPU cores; nothing else ran.", "",
+             f"including start-up; signals drawn uniformly from 0.5 s before training starts to its last checkpoint); "
+             f"torch {torch.__version__}, {os.cpu_count()} CPU cores; nothing else ran.", "",
              "| signal | trials | finished before the signal | intact afterwards | resumed bit-exactly | temporaries left |",
              "| --- | --- | --- | --- | --- | --- |"]
     for kind in SIGNALS:

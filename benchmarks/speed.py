@@ -229,7 +229,8 @@ def write_markdown(rows: List[Dict], meta: Dict, path: Path) -> None:
                 gflop = f"{r['timm_gflop_per_step']:.1f} / {r['vitpe_gflop_per_step']:.1f}"
                 flop = " / ".join(f"{r[f'{k}_tflop_s']:.3f} ({100 * r[f'{k}_tflop_s'] / peak[r['device']]:.0f}%)" for k in ("timm", "vitpe"))
             lines.append(f"| {r['device']} | {r['arch']} | {r['mode']} | {r['step']} | {r['batch']} | {r['timm_img_s']:.1f} | {r['vitpe_img_s']:.1f} "
-                         f"| **{r['ratio_vitpe_over_timm']:.3f}** ({lo:.2f}-{hi:.2f}) | {r['timm_peak_mib']:.0f} / {r['vitpe_peak_mib']:.0f} | {gflop} | {flop} |")
+                         f"| **{r['ratio_vitpe_over_timm']:.3f}** ({lo:.2f}-{hi:.2f}) | {r['timm_peak_mib']:.0f} / {r['vitpe_peak_mib']:.0f} "
+                         f"| {gflop} | {flop} |")
     lines += ["", "| device | architecture | PE | training img/s | over `none` (range) |", "| --- | --- | --- | ---: | ---: |"]
     for r in rows:
         if r["step"] == "train (PE cost)":

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from vitpe import training as train_script
-from vitpe.data import DataError, SHAPES_CLASSES, load_dataset, render_shapes, shapes_params
+from vitpe.data import SHAPES_CLASSES, DataError, load_dataset, render_shapes, shapes_params
 from vitpe.data import datasets as D
 from vitpe.data.augment import BatchAugment
 
@@ -133,7 +133,8 @@ def write_cifar(root: Path, hundred: bool, n=10):
     if hundred:
         folder, files, key, meta = root / "cifar-100-python", ["train", "test"], "fine_labels", ("meta", "fine_label_names", 100)
     else:
-        folder, files, key, meta = root / "cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"], "labels", ("batches.meta", "label_names", 10)
+        folder, files = root / "cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        key, meta = "labels", ("batches.meta", "label_names", 10)
     folder.mkdir(parents=True)
     truth = {}
     for f in files:
@@ -151,7 +152,7 @@ def write_cifar(root: Path, hundred: bool, n=10):
 def test_cifar_loads_files_in_cifar_format(tmp_path, name, hundred):
     folder, truth = write_cifar(tmp_path, hundred)
     ds = load_dataset(name, str(tmp_path))
-    (x, y), (xt, yt) = ds.split(True), ds.split(False)
+    (x, _), (xt, yt) = ds.split(True), ds.split(False)
     n_train = 10 if hundred else 50
     assert x.shape == (n_train, 3, 32, 32) and xt.shape == (10, 3, 32, 32)
     test_file = "test" if hundred else "test_batch"
@@ -184,7 +185,7 @@ def test_imagefolder_with_and_without_split(tmp_path):
     write_images(tmp_path / "a" / "train")
     write_images(tmp_path / "a" / "val", per_class=2)
     ds = load_dataset(f"imagefolder:{tmp_path / 'a'}", image_size=(16, 16))
-    (x, y), (xt, yt) = ds.split(True), ds.split(False)
+    (x, y), (xt, _) = ds.split(True), ds.split(False)
     assert x.shape == (12, 3, 16, 16) and xt.shape == (4, 3, 16, 16) and ds.classes == ("cat", "dog")
     assert y.tolist() == [0] * 6 + [1] * 6 and abs(x[y == 1].float().mean().item() - 190) < 15
     write_images(tmp_path / "b", per_class=10)

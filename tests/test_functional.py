@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import vitpe
 from vitpe.pos_embed import functional as PF

@@ -5,11 +5,10 @@ from functools import partial
 import pytest
 import timm
 import torch
+from conftest import ALL_PE
 
 import vitpe
 from vitpe import COORD_MODES
-
-from conftest import ALL_PE
 
 
 def timm_vit(**kw):

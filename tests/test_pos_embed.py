@@ -2,11 +2,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ALL_PE
 
 import vitpe
 from vitpe.pos_embed import functional as PF
-
-from conftest import ALL_PE
 
 FAMILIES = ["none", "sincos2d", "fourier", "fourier_learned", "learned", "rel_bias", "cpb", "rope_axial", "rope_mixed", "peg"]
 

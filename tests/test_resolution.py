@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import vitpe
 from vitpe import evaluation as eval_script
 from vitpe import training as train_script
-import vitpe
 from vitpe.checkpoint import load_checkpoint
 from vitpe.config import ConfigError
 from vitpe.patch import resize_matrix, resize_patch_embed

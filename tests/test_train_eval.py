@@ -198,7 +198,7 @@ def test_eval_table_json_csv_and_plot(tiny_run, tmp_path, capsys):
 def test_eval_top1_matches_training_metrics_at_the_training_resolution(tiny_run, tmp_path):
     assert eval_script.main([str(tiny_run), "--resolutions", "16", "--out", str(tmp_path / "e")]) == 0
     rows = json.loads((tmp_path / "e" / "results.json").read_text())
-    last = [json.loads(l) for l in (tiny_run / "metrics.jsonl").read_text().splitlines()][-1]
+    last = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()][-1]
     # Other batch sizes sum in another order: the loss agrees to rounding, top-1 at most by one borderline image.
     assert abs(rows[0]["top1"] - last["test_top1"]) <= 1 / rows[0]["n"] + 1e-9
     assert rows[0]["loss"] == pytest.approx(last["test_loss"], rel=1e-4)

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vitpe import training as train_script
 import vitpe
+from vitpe import training as train_script
 from vitpe import viz
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")

@@ -1,5 +1,7 @@
 """vitpe: Vision Transformers and their positional encodings, as functions of continuous patch coordinates."""
+from . import timm_models  # registers vitpe_* architectures with timm.create_model
 from .coords import COORD_MODES, CoordAugment, PatchGrid, grid_coords
+from .interop import cpb_from_swinv2, equip_timm_vit, load_timm_state_dict, vit_from_timm
 from .patch import resize_patch_embed
 from .pos_embed import (
     CombinedPosEmbed,
@@ -18,8 +20,6 @@ from .pos_embed import (
     sincos_2d,
 )
 from .vit import Attention, Block, LayerScale, VisionTransformer
-from . import timm_models  # registers vitpe_* architectures with timm.create_model
-from .interop import cpb_from_swinv2, equip_timm_vit, load_timm_state_dict, vit_from_timm
 
 __version__ = "0.1.0"
 

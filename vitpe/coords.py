@@ -5,10 +5,9 @@ patches* (the grid the model was built for), columns ``(x, y)``, tokens in row-m
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence, Tuple, Union
-
-import math
 
 import torch
 from torch import Tensor
@@ -119,10 +118,6 @@ class PatchGrid:
         if coords.shape != (size[0] * size[1], 2):
             raise ValueError(f"coords must have shape ({size[0] * size[1]}, 2) for grid {size}, got {tuple(coords.shape)}")
         return cls(size, ref, coords.float(), None, None)
-
-    @property
-    def num_patches(self) -> int:
-        return self.size[0] * self.size[1]
 
     @property
     def is_reference(self) -> bool:

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .data.augment import normalize
-from .data.datasets import resize_images
 
 __all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "evaluate"]
 
@@ -59,15 +58,13 @@ def evaluate(
     batch_size: int = 512,
     device: torch.device = torch.device("cpu"),
     dtype: Optional[torch.dtype] = None,
-    size: Optional[Sequence[int]] = None,
     progress: bool = False,
     desc: str = "eval",
     patch_size: Optional[int] = None,
 ) -> Dict[str, float]:
     """Top-1, top-5 (when there are more than 5 classes), mean cross-entropy and per-class top-1 over a split.
 
-    ``images`` are uint8; ``size`` resizes each batch (antialiased) for data that cannot be rendered natively;
-    ``patch_size`` runs a vitpe ViT with a resized patch embedding (FlexiViT).
+    ``images`` are uint8, already at the size to evaluate; ``patch_size`` runs a vitpe ViT with a resized patch embedding (FlexiViT).
     """
     from tqdm import tqdm
 
@@ -78,8 +75,6 @@ def evaluate(
     batches = range(0, len(labels), batch_size)
     for s in tqdm(batches, desc=desc, leave=False, disable=not progress):
         x = images[s : s + batch_size]
-        if size is not None:
-            x = resize_images(x, tuple(size))
         x = normalize(x.to(device, non_blocking=True), mean, std)
         y = labels[s : s + batch_size].to(device)
         with autocast(device, dtype):

@@ -181,12 +181,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     # The table: one row per resolution, one column per run/mode.
     labels = list(dict.fromkeys(r["label"] for r in rows))
     reso = list(dict.fromkeys(r["resolution"] for r in rows))
-    width = max(12, *(len(l) + 2 for l in labels))
-    print("top-1 (%) by resolution" + " " * 2 + "".join(f"{l:>{width}}" for l in labels))
+    width = max(12, *(len(label) + 2 for label in labels))
+    print("top-1 (%) by resolution" + " " * 2 + "".join(f"{label:>{width}}" for label in labels))
     for res in reso:
         cells = []
-        for l in labels:
-            hit = [r for r in rows if r["label"] == l and r["resolution"] == res]
+        for label in labels:
+            hit = [r for r in rows if r["label"] == label and r["resolution"] == res]
             cells.append(f"{100 * hit[0]['top1']:>{width}.2f}" if hit else f"{'-':>{width}}")
         print(f"{res:<25}" + "".join(cells))
     print(f"\nresults: {out / 'results.json'}, {out / 'results.csv'}\nplot:    {out / 'accuracy_vs_resolution.png'}")

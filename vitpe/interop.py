@@ -237,7 +237,9 @@ def _timm_pos_embed(m: nn.Module) -> Tuple[str, Dict[str, Any]]:
 
     rope = getattr(m, "rope", None)
     if rope is not None and not isinstance(rope, RotaryEmbeddingMixed):
-        raise ValueError(f"this timm model's rotary embedding ({type(rope).__name__}) has no vitpe equivalent yet; vitpe loads RoPE-Mixed (RotaryEmbeddingMixed)")
+        raise ValueError(
+            f"this timm model's rotary embedding ({type(rope).__name__}) has no vitpe equivalent yet; vitpe loads RoPE-Mixed (RotaryEmbeddingMixed)"
+        )
     ape = m.pos_embed is not None
     if rope is None:
         return ("learned", {"antialias": True}) if ape else ("none", {})

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from vitpe import VisionTransformer
 from vitpe.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_model_state, non_finite, save_checkpoint
 from vitpe.config import Config, ConfigError, apply_overrides, config_from_dict, load_config, save_config, train_resolutions
-from vitpe.data import DataError, load_dataset, resize_images
+from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, normalize
 from vitpe.engine import amp_dtype, autocast, evaluate, resolve_device, seed_step
 from vitpe.errors import VitpeError, run_cli

@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .shapes import SHAPES_CLASSES, render_shapes, shapes_params
 from ..errors import VitpeError
 from ..suggest import did_you_mean
+from .shapes import SHAPES_CLASSES, render_shapes, shapes_params
 
-__all__ = ["DataError", "ImageDataset", "load_dataset", "list_datasets", "resize_images", "DEBIAN_FASHION_MNIST"]
+__all__ = ["DataError", "ImageDataset", "load_dataset", "resize_images", "DEBIAN_FASHION_MNIST"]
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 _FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -266,10 +266,6 @@ def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int]
 
 
 DATASETS = ("shapes", "fashion_mnist", "cifar10", "cifar100", "imagefolder:PATH")
-
-
-def list_datasets() -> Tuple[str, ...]:
-    return DATASETS
 
 
 def load_dataset(

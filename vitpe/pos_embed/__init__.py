@@ -1,4 +1,5 @@
 """Positional encodings for vision transformers, each a function of continuous patch coordinates."""
+# Import order matters: the families register as they are imported, in the order list_pos_embeds() reports.
 from .base import PosContext, PosEmbed
 from .functional import (
     apply_rope,
@@ -19,7 +20,7 @@ from .functional import (
 from .registry import CombinedPosEmbed, build_pos_embed, list_pos_embeds, pos_embed_options, register_pos_embed
 
 # Importing the families registers them; the order here is the order list_pos_embeds() reports.
-from .additive import FourierPosEmbed, LearnedFourierPosEmbed, LearnedPosEmbed, NoPosEmbed, SinCos2d  # noqa: E402
-from .bias import ContinuousPositionBias, RelativePositionBias  # noqa: E402
-from .rotary import RopeAxial, RopeMixed  # noqa: E402
-from .conditional import PEG  # noqa: E402
+from .additive import FourierPosEmbed, LearnedFourierPosEmbed, LearnedPosEmbed, NoPosEmbed, SinCos2d
+from .bias import ContinuousPositionBias, RelativePositionBias
+from .rotary import RopeAxial, RopeMixed
+from .conditional import PEG

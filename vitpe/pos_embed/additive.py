@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
-from timm.layers import trunc_normal_
+from torch.nn.init import trunc_normal_
 
 from ..coords import PatchGrid, Size2
 from .base import PosEmbed

@@ -5,7 +5,7 @@ from typing import Dict, Tuple
 
 import torch
 from torch import Tensor, nn
-from timm.layers import trunc_normal_
+from torch.nn.init import trunc_normal_
 
 from ..coords import PatchGrid, Size2
 from .base import PosEmbed
