@@ -24,7 +24,7 @@ from typing import Dict, List
 import torch
 
 import vitpe
-from vitpe.checkpoint import load_checkpoint
+from vitpe.checkpoint import checkpoint_config, load_checkpoint
 from vitpe.runs import safe_name, train_or_reuse, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def result_row(run: Path, suite: str, data: str, seed: int) -> Dict:
     state = load_checkpoint(run)
     last = state["metrics"][-1]
     params = sum(t.numel() for t in vitpe.VisionTransformer(**state["model_args"]).parameters())  # learned only, no buffers
-    cfg = state["config"]
+    cfg = checkpoint_config(state).to_dict()  # typed (defaults for keys added since), stored as plain values
     return {"suite": suite, "data": data, "pe": cfg["model"]["pos_embed"], "seed": seed, "top1": last["test_top1"], "test_loss": last["test_loss"],
             "params": params, "epochs": last["epoch"], "train_wall_s": last["wall_s"],
             "images_per_s": round(last["images_per_s"], 1), "model": cfg["model"], "recipe": {k: cfg[k] for k in ("data", "train")},

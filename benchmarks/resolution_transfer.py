@@ -23,7 +23,7 @@ from typing import Dict, List
 import torch
 
 import vitpe
-from vitpe.checkpoint import model_from_checkpoint
+from vitpe.checkpoint import checkpoint_config, model_from_checkpoint
 from vitpe.coords import snap
 from vitpe.evaluation import dataset_of, evaluate_at
 from vitpe.evaluation import plot as plot_accuracy
@@ -52,8 +52,8 @@ def train_one(data: str, name: str, extra: List[str], args, runs: Path) -> Path:
 
 def evaluate_run(run: Path, data: str, name: str, args) -> List[Dict]:
     model, state = model_from_checkpoint(run)
-    cfg = state["config"]
-    size, patch = cfg["model"]["img_size"], model.patch_size
+    cfg = checkpoint_config(state)
+    size, patch = cfg.model.img_size, model.patch_size
     ref = model.ref_grid[0]
     ds = dataset_of(cfg, test_size=args.eval_size)
     rows = []

@@ -128,3 +128,16 @@ def test_class_token_fast_path_equals_the_full_forward(pe):
         if p.grad is not None:
             torch.testing.assert_close(grads.get(n, torch.zeros_like(p)), p.grad, msg=n)
     assert "blocks.1.mlp.fc1.weight" in grads
+
+
+def test_the_config_names_every_model_argument():
+    """ModelConfig is VisionTransformer's signature: a new model argument must be configurable (or set by the data)."""
+    import dataclasses
+    import inspect
+
+    from vitpe.config import ModelConfig
+
+    params = set(inspect.signature(vitpe.VisionTransformer.__init__).parameters) - {"self"}
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert params - fields == {"num_classes", "in_chans"} and fields <= params
+    vitpe.VisionTransformer(**vars(ModelConfig()), num_classes=3)  # and the defaults build a model

@@ -15,7 +15,7 @@ from .vit import VisionTransformer
 
 __all__ = [
     "CheckpointError", "FORMAT", "save_checkpoint", "load_checkpoint", "find_checkpoint", "model_from_checkpoint",
-    "state_checksum", "non_finite",
+    "state_checksum", "non_finite", "checkpoint_config",
 ]
 
 FORMAT = "vitpe-checkpoint-v1"
@@ -134,6 +134,17 @@ def load_model_state(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor]
             parts.append(f"{len(shapes)} with other shapes (e.g. {shapes[0]})")
         raise CheckpointError(f"checkpoint {source} does not fit this model: {'; '.join(parts)}; build the model from the checkpoint's own config")
     model.load_state_dict(state_dict)
+
+
+def checkpoint_config(state: Dict[str, Any]):
+    """The run's typed :class:`vitpe.config.Config` from a loaded checkpoint (keys added since it was written
+    take their defaults)."""
+    from .config import ConfigError, config_from_dict
+
+    try:
+        return config_from_dict(state["config"])
+    except ConfigError as e:
+        raise CheckpointError(f"the checkpoint's config is not one this vitpe reads ({e})") from None
 
 
 def model_from_checkpoint(

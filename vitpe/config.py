@@ -12,8 +12,12 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import yaml
 
+from .coords import COORD_MODES, CoordAugment
+from .data.augment import AUGMENTS
+from .engine import AMP_MODES
 from .errors import VitpeError
 from .suggest import did_you_mean
+from .vit import POOLS
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "Config", "load_config", "apply_overrides", "train_resolutions"]
 
@@ -26,6 +30,10 @@ class ConfigError(VitpeError):
 
 @dataclass
 class ModelConfig:
+    """The arguments of :class:`vitpe.VisionTransformer`, all of them but those the dataset sets (``num_classes``,
+    ``in_chans``): a test holds the two to the same names. The defaults are the main job's model, not the
+    class's ImageNet-sized ones."""
+
     img_size: int = 32  # training resolution; sets the reference grid img_size // patch_size
     patch_size: int = 4
     embed_dim: int = 192
@@ -40,7 +48,11 @@ class ModelConfig:
     coord_mode: str = "interpolate"  # coordinates at new resolutions: "interpolate" or "extrapolate"
     coord_aug: Dict[str, Any] = field(default_factory=dict)  # training-time {shift, rescale, jitter} (vitpe.CoordAugment)
     drop_rate: float = 0.0
+    attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.1
+    qkv_bias: bool = True
+    norm_eps: float = 1e-6
+    init_values: Optional[float] = None  # LayerScale (DeiT-III, RoPE-ViT); None: off
 
 
 @dataclass
@@ -150,10 +162,10 @@ def config_from_dict(data: Dict[str, Any]) -> Config:
 
 def _validate(cfg: Config) -> None:
     choices = {
-        "model.pool": (cfg.model.pool, ("cls", "mean")),
-        "model.coord_mode": (cfg.model.coord_mode, ("interpolate", "extrapolate")),
-        "data.augment": (cfg.data.augment, ("none", "crop", "crop_flip", "trivial", "randaugment")),
-        "train.amp": (cfg.train.amp, ("auto", "bf16", "fp16", "none")),
+        "model.pool": (cfg.model.pool, POOLS),
+        "model.coord_mode": (cfg.model.coord_mode, COORD_MODES),
+        "data.augment": (cfg.data.augment, AUGMENTS),
+        "train.amp": (cfg.train.amp, AMP_MODES),
     }
     for key, (value, valid) in choices.items():
         if value not in valid:
@@ -165,6 +177,8 @@ def _validate(cfg: Config) -> None:
         ("model.num_heads", m.num_heads, 1, None, True, True), ("model.mlp_ratio", m.mlp_ratio, 0, None, False, True),
         ("model.num_reg_tokens", m.num_reg_tokens, 0, None, True, True), ("model.drop_rate", m.drop_rate, 0, 1, True, False),
         ("model.drop_path_rate", m.drop_path_rate, 0, 1, True, False),
+        ("model.attn_drop_rate", m.attn_drop_rate, 0, 1, True, False), ("model.norm_eps", m.norm_eps, 0, None, False, True),
+        ("model.init_values", m.init_values, 0, None, False, True),
         ("data.train_size", d.train_size, 1, None, True, True), ("data.test_size", d.test_size, 1, None, True, True),
         ("data.mixup", d.mixup, 0, None, True, True), ("data.cutmix", d.cutmix, 0, None, True, True),
         ("train.epochs", t.epochs, 1, None, True, True), ("train.batch_size", t.batch_size, 1, None, True, True),
@@ -195,10 +209,11 @@ def _validate(cfg: Config) -> None:
     rng = cfg.train.resolution_range
     if rng is not None and (len(rng) != 2 or rng[0] > rng[1] or not train_resolutions(cfg)):
         raise ConfigError(f"train.resolution_range must be [lo, hi] containing a multiple of model.patch_size={p}, got {rng}")
-    unknown = set(cfg.model.coord_aug) - {"shift", "rescale", "jitter"}
+    aug_keys = [f.name for f in dataclasses.fields(CoordAugment)]
+    unknown = set(cfg.model.coord_aug) - set(aug_keys)
     if unknown:
         bad = sorted(unknown)[0]
-        raise ConfigError(f"unknown key model.coord_aug.{bad}{did_you_mean(bad, ('shift', 'rescale', 'jitter'))}; valid keys: shift, rescale, jitter")
+        raise ConfigError(f"unknown key model.coord_aug.{bad}{did_you_mean(bad, aug_keys)}; valid keys: {', '.join(aug_keys)}")
 
 
 def train_resolutions(cfg: Config) -> List[int]:

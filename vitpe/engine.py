@@ -24,6 +24,9 @@ def resolve_device(name: str = "auto") -> torch.device:
     return dev
 
 
+AMP_MODES = ("auto", "bf16", "fp16", "none")
+
+
 def amp_dtype(amp: str, device: torch.device) -> Optional[torch.dtype]:
     """auto: bf16 on CUDA; on CPU off, since without native bf16 matmuls it is slower, not faster."""
     if amp == "auto":

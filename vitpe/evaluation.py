@@ -21,8 +21,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from vitpe.checkpoint import model_from_checkpoint
-from vitpe.config import ConfigError
+from vitpe.checkpoint import checkpoint_config, model_from_checkpoint
+from vitpe.config import Config, ConfigError
 from vitpe.coords import COORD_MODES, snap
 from vitpe.data import load_dataset
 from vitpe.engine import amp_dtype, evaluate, resolve_device
@@ -61,7 +61,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--data", help="dataset to evaluate on (default: each run's own)")
     p.add_argument("--data-dir", help="dataset directory (default: each run's own, else ./data)")
     p.add_argument("--test-size", type=positive_int, help="evaluate on the first N test images")
-    p.add_argument("--coord-mode", choices=["checkpoint", "interpolate", "extrapolate", "both"], default="checkpoint",
+    p.add_argument("--coord-mode", choices=["checkpoint", *COORD_MODES, "both"], default="checkpoint",
                    help="patch coordinates at new resolutions (default: what each run was trained with)")
     p.add_argument("--route", choices=["coords", "patch", "both"], default="coords",
                    help="meet a new resolution with new coordinates on a new token grid (coords), or by resizing the "
@@ -79,14 +79,14 @@ def default_resolutions(img_size: int, patch: int) -> List[Tuple[int, int]]:
     return [(s, s) for s in sizes]
 
 
-def dataset_of(config: Dict, name: Optional[str] = None, data_dir: Optional[str] = None, test_size: Optional[int] = None,
+def dataset_of(config: Config, name: Optional[str] = None, data_dir: Optional[str] = None, test_size: Optional[int] = None,
                image_size: Optional[Tuple[int, int]] = None):
-    """The dataset a checkpoint's ``config`` was trained on (or ``name``), with its test subset unless another is given."""
-    own = config["data"]
-    name = name or own["name"]
-    test_size = test_size or (own["test_size"] if name == own["name"] else None)
-    size = image_size or (config["model"]["img_size"],) * 2
-    return load_dataset(name, data_dir or own["data_dir"], None, test_size, size)
+    """The dataset a run's ``config`` was trained on (or ``name``), with its test subset unless another is given."""
+    own = config.data
+    name = name or own.name
+    test_size = test_size or (own.test_size if name == own.name else None)
+    size = image_size or (config.model.img_size,) * 2
+    return load_dataset(name, data_dir or own.data_dir, None, test_size, size)
 
 
 def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], device: torch.device, dtype: Optional[torch.dtype] = None,
@@ -134,8 +134,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for ckpt in args.checkpoints:
         model, state = model_from_checkpoint(ckpt, map_location="cpu", ema=not args.no_ema, verify=not args.no_verify)
         model.to(device)
-        cfg = state["config"]
-        patch, train_size = model.patch_size, cfg["model"]["img_size"]
+        cfg = checkpoint_config(state)
+        patch, train_size = model.patch_size, cfg.model.img_size
         resolutions = args.resolutions or default_resolutions(train_size, patch)
         routes = ["coords", "patch"] if args.route == "both" else [args.route]
         ref_h, ref_w = model.ref_grid
@@ -145,23 +145,23 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   f"use multiples of {patch}, e.g. {snap(h, patch)}")
             if "patch" in routes and (h % ref_h or w % ref_w or h // ref_h != w // ref_w):
                 raise ConfigError(f"--route patch keeps the {ref_h}x{ref_w} token grid, so resolution {h}x{w} must be k*{ref_h} x k*{ref_w}")
-        key = (args.data or cfg["data"]["name"], args.data_dir, args.test_size, train_size)
+        key = (args.data or cfg.data.name, args.data_dir, args.test_size, train_size)
         if key not in datasets:
             datasets[key] = dataset_of(cfg, args.data, args.data_dir, args.test_size)
         ds, name = datasets[key], key[0]
         if ds.num_classes != model.num_classes or ds.in_chans != model.in_chans:
             raise ConfigError(f"{ckpt} was trained for {model.num_classes} classes / {model.in_chans} channels, but {name} has "
-                              f"{ds.num_classes} / {ds.in_chans}; evaluate it on its own dataset ({cfg['data']['name']})")
-        modes = {"checkpoint": [cfg["model"]["coord_mode"]], "both": list(COORD_MODES)}.get(args.coord_mode, [args.coord_mode])
-        dtype = amp_dtype(cfg["train"]["amp"], device)
+                              f"{ds.num_classes} / {ds.in_chans}; evaluate it on its own dataset ({cfg.data.name})")
+        modes = {"checkpoint": [cfg.model.coord_mode], "both": list(COORD_MODES)}.get(args.coord_mode, [args.coord_mode])
+        dtype = amp_dtype(cfg.train.amp, device)
         variants = [(m, r) for r in routes for m in (modes if r == "coords" else modes[:1])]  # patch route: the trained grid
         for mode, route in variants:
-            label = cfg["model"]["pos_embed"] + (f" ({mode})" if len(modes) > 1 or args.coord_mode != "checkpoint" else "")
+            label = cfg.model.pos_embed + (f" ({mode})" if len(modes) > 1 or args.coord_mode != "checkpoint" else "")
             label += " (patch resize)" if route == "patch" else ""
             if any(r["label"] == label and r["run"] != str(ckpt) for r in rows):
                 label = f"{label} [{Path(ckpt).name}]"
             for row in evaluate_at(model, ds, [(mode, route, hw) for hw in resolutions], device, dtype, args.batch_size, label):
-                rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg["model"]["pos_embed"], "data": name,
+                rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": name,
                              "train_size": train_size, "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
 
     first = Path(args.checkpoints[0])

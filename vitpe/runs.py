@@ -105,12 +105,12 @@ def write_metrics(run: Path, rows: List[dict]) -> None:
 def train_or_reuse(run: Path, args: List[str], label: str) -> Path:
     """What the hand-run studies share: train ``train.py ARGS --out-dir run.parent --name run.name`` once; a
     finished run is reused and an interrupted one resumed, so a study stopped half-way continues where it stopped."""
-    from .checkpoint import load_checkpoint
+    from .checkpoint import checkpoint_config, load_checkpoint
     from .training import main as train_main
 
     if (run / "checkpoint.pt").is_file():
         state = load_checkpoint(run)
-        if state["epoch"] >= state["config"]["train"]["epochs"]:
+        if state["epoch"] >= checkpoint_config(state).train.epochs:
             print(f"[{label}] reusing finished run {run}")
             return run
         print(f"[{label}] resuming {run}")

@@ -5,6 +5,7 @@ the actual input, and hands that context to every block. No block knows which PE
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
@@ -18,7 +19,9 @@ from .coords import COORD_MODES, CoordAugment, PatchGrid, snap, to_2tuple
 from .patch import resize_patch_embed
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
 
-__all__ = ["Attention", "Block", "LayerScale", "VisionTransformer", "attend", "compute_dtype", "take_indices"]
+__all__ = ["POOLS", "Attention", "Block", "LayerScale", "VisionTransformer", "attend", "compute_dtype", "take_indices"]
+
+POOLS = ("cls", "mean")  # how the head reads the tokens: the class token, or the mean of the patch tokens
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -188,8 +191,8 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"patch_size must be a positive int, got {patch_size!r}")
         if self.img_size[0] % patch_size or self.img_size[1] % patch_size:
             raise ValueError(f"img_size {self.img_size} is not divisible by patch_size {patch_size}")
-        if pool not in ("cls", "mean"):
-            raise ValueError(f"pool must be 'cls' or 'mean', got {pool!r}")
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
         if pool == "cls" and not class_token:
             raise ValueError("pool='cls' needs class_token=True; use pool='mean' without a class token")
         if embed_dim % num_heads:
@@ -201,7 +204,8 @@ class VisionTransformer(nn.Module):
         try:
             self.coord_aug = CoordAugment(**(coord_aug or {}))
         except TypeError:
-            raise ValueError(f"unknown coord_aug option in {coord_aug}; valid: shift, rescale, jitter") from None
+            valid = ", ".join(f.name for f in dataclasses.fields(CoordAugment))
+            raise ValueError(f"unknown coord_aug option in {coord_aug}; valid: {valid}") from None
         self.num_prefix_tokens = int(class_token) + num_reg_tokens
 
         self.patch_embed = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .coords import PatchGrid, Size2, to_2tuple
+from .coords import COORD_MODES, PatchGrid, Size2, to_2tuple
 from .pos_embed import PosEmbed, build_pos_embed
 from .vit import VisionTransformer
 
@@ -203,7 +203,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         s.add_argument("--checkpoint", help="draw the trained PE of this run or checkpoint")
         s.add_argument("--grid", type=int, nargs="+", default=[16], help="token grid: N or H W")
         s.add_argument("--ref-grid", type=int, nargs="+", help="reference grid (default: --grid)")
-        s.add_argument("--mode", default="interpolate", choices=["interpolate", "extrapolate"])
+        s.add_argument("--mode", default="interpolate", choices=list(COORD_MODES))
         s.add_argument("--dim", type=int, default=128)
         s.add_argument("--heads", type=int, default=4)
         s.add_argument("--out")
@@ -238,20 +238,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"wrote {out / (stem + '.png')} and {stem}.json")
         return 0
 
-    from .checkpoint import model_from_checkpoint
+    from .checkpoint import checkpoint_config, model_from_checkpoint
     from .data.augment import normalize
     from .evaluation import dataset_of
 
     results = {}
     for ckpt in args.checkpoints:
         model, state = model_from_checkpoint(ckpt)
-        cfg = state["config"]
+        cfg = checkpoint_config(state)
         ds = dataset_of(cfg, test_size=args.images)
-        for res in args.resolutions or [cfg["model"]["img_size"]]:
+        for res in args.resolutions or [cfg.model.img_size]:
             model.grid_size((res, res))  # a clear error for sizes that are not multiples of the patch
             images, _ = ds.split(False, (res, res))
             d = attention_distance(model, normalize(images[: args.images], ds.mean, ds.std))
-            results[f"{cfg['model']['pos_embed']} @ {res}px" + (f" [{Path(ckpt).name}]" if len(args.checkpoints) > 1 else "")] = d
+            results[f"{cfg.model.pos_embed} @ {res}px" + (f" [{Path(ckpt).name}]" if len(args.checkpoints) > 1 else "")] = d
     draw_distance(results, out / "attention_distance.png", "mean attention distance per layer (dots: heads)")
     (out / "attention_distance.json").write_text(json.dumps({k: v.tolist() for k, v in results.items()}, indent=1))
     for k, d in results.items():

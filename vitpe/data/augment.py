@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["BatchAugment", "normalize"]
+__all__ = ["AUGMENTS", "BatchAugment", "normalize"]
+
+AUGMENTS = ("none", "crop", "crop_flip", "trivial", "randaugment")
 
 
 def normalize(x: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
@@ -52,8 +54,8 @@ class BatchAugment:
     def __init__(self, kind: str = "none", flip: bool = True, pad_fraction: float = 0.125, groups: int = 16) -> None:
         from torchvision.transforms import v2
 
-        if kind not in ("none", "crop", "crop_flip", "trivial", "randaugment"):
-            raise ValueError(f"unknown augment {kind!r}; choose none, crop, crop_flip, trivial or randaugment")
+        if kind not in AUGMENTS:
+            raise ValueError(f"unknown augment {kind!r}; choose one of {', '.join(AUGMENTS)}")
         self.kind, self.flip, self.pad_fraction, self.groups = kind, flip, pad_fraction, groups
         self.policy = {"trivial": v2.TrivialAugmentWide(), "randaugment": v2.RandAugment(num_ops=2, magnitude=9)}.get(kind)
 
