@@ -256,3 +256,16 @@ def test_vitpe_models_in_timms_registry():
     maps = f(torch.randn(2, 3, 48, 32))
     assert [m.shape for m in maps] == [(2, 192, 12, 8)] * 2 and f.feature_info.channels() == [192, 192]
     assert len(f.model.blocks) == 4  # pruned after the last block asked for
+
+
+@pytest.mark.parametrize("code", [
+    "import sys, vitpe.pos_embed, vitpe; assert 'timm' not in sys.modules and 'torchvision' not in sys.modules",
+    "import vitpe, timm; assert timm.create_model('vitpe_cifar_patch4_32_cpb', depth=1).pos_embed.name == 'cpb'",
+    "import timm, vitpe; assert timm.create_model('vitpe_cifar_patch4_32_cpb', depth=1).pos_embed.name == 'cpb'",
+])
+def test_vitpe_imports_without_timm_and_registers_with_it_in_either_order(code):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -1,13 +1,17 @@
 """vitpe's ViTs in timm's model registry: ``timm.create_model("vitpe_small_patch16_224_rope_mixed")``.
 
-Importing vitpe registers, for each architecture below, ``vitpe_<arch>`` (any PE through ``pos_embed=``) and
+Importing vitpe registers (as soon as timm is imported, before or after vitpe: vitpe itself never imports
+timm, so its PE modules cost torch alone), for each architecture below, ``vitpe_<arch>`` (any PE through ``pos_embed=``) and
 ``vitpe_<arch>_<pe>`` for every registered PE family, so timm's scripts, ``timm.list_models("vitpe_*")`` and
 ``features_only=True`` (through :meth:`VisionTransformer.forward_intermediates`) work on vitpe models. No
 pretrained weights: ``pretrained=True`` fails in timm with its own message.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any, Callable, Dict, List, Optional
 
 from .pos_embed import list_pos_embeds
 from .vit import VisionTransformer
@@ -45,6 +49,8 @@ def timm_model_names() -> List[str]:
 
 
 def _register() -> None:
+    if default_cfgs:  # already done
+        return
     from timm.models import register_model
 
     size = lambda a: (3, a["img_size"], a["img_size"])  # noqa: E731
@@ -60,4 +66,31 @@ def _register() -> None:
             globals()[name] = register_model(fn)
 
 
-_register()
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback`` right after the module ``name`` is first imported (a post-import hook), so that importing
+    vitpe does not import timm, and timm's registry still knows vitpe's models whenever timm is used."""
+
+    def __init__(self, name: str, callback: Callable[[], None]) -> None:
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname: str, path: Optional[Any] = None, target: Optional[Any] = None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once: find the real spec, then wrap its loader
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        run, callback = spec.loader.exec_module, self.callback
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            callback()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "timm" in sys.modules:
+    _register()
+elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterImport("timm", _register))

@@ -12,8 +12,8 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from timm.layers import DropPath, Mlp, trunc_normal_
 from torch import Tensor, nn
+from torch.nn.init import trunc_normal_
 
 from .coords import COORD_MODES, CoordAugment, PatchGrid, snap, to_2tuple
 from .patch import resize_patch_embed
@@ -88,6 +88,39 @@ class Attention(nn.Module):
         return logits if pos is None or pos.bias is None else logits + pos.bias.to(logits.dtype)
 
 
+class DropPath(nn.Module):
+    """Stochastic depth (Huang et al. 2016): drop a sample's whole residual branch with probability ``p`` while
+    training, scaling the kept ones by ``1/(1-p)`` (as timm's ``DropPath``, without importing timm)."""
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1 - self.p)
+        return x * keep.div_(1 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class Mlp(nn.Module):
+    """``fc2(drop(GELU(fc1(x))))``: the transformer MLP, with timm's parameter names (``fc1``, ``fc2``)."""
+
+    def __init__(self, dim: int, hidden: int, drop: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.drop1 = nn.Dropout(drop)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.drop2 = nn.Dropout(drop)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
 class LayerScale(nn.Module):
     """Per-channel learned scale of a residual branch (CaiT, Touvron et al. 2021; DeiT-III), timm's ``gamma``."""
 
@@ -121,7 +154,7 @@ class Block(nn.Module):
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=drop)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
 
     def forward(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0, num_queries: Optional[int] = None) -> Tensor:
