@@ -1,0 +1,5 @@
+import sys
+
+from .cli import cli
+
+sys.exit(cli())

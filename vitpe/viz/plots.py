@@ -1,0 +1,88 @@
+"""Drawing: matplotlib on the file-only Agg backend, one helper that ends every line plot, and the PE pictures."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Dict, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["pyplot", "finish_plot", "draw_matrix", "draw_maps", "draw_distance"]
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def finish_plot(fig, ax, title: str, path: Path) -> None:
+    """Title, grid, legend, and save: the common end of every line plot."""
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if len(ax.get_legend_handles_labels()[1]) > 6:  # many lines: legend beside the plot, not over it
+        fig.set_figwidth(fig.get_figwidth() + 3)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    pyplot().close(fig)
+
+
+def draw_matrix(mats: Dict[str, Tensor], title: str, path: Path) -> None:
+    plt = pyplot()
+    panels = [(k, m[0] if k == "bias" else m) for k, m in mats.items()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), dpi=110, squeeze=False)
+    labels = {"tokens": ("dimension", "position (row-major)"), "bias": ("key position", "query position (head 0)"),
+              "rotary": ("rotary pair (cos, sin)", "position (head 0, layer 0)")}
+    for ax, (kind, m) in zip(axes[0], panels):
+        im = ax.imshow(m.numpy(), aspect="auto", cmap="RdBu_r", interpolation="nearest")
+        ax.set_xlabel(labels[kind][0])
+        ax.set_ylabel(labels[kind][1])
+        ax.set_title(f"{kind}")
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def draw_maps(maps: Dict[str, Tensor], query: Tuple[int, int], title: str, path: Path, max_heads: int = 6) -> None:
+    plt = pyplot()
+    panels = [(f"{k}" + (f" head {i}" if m.shape[0] > 1 else ""), m[i]) for k, m in maps.items() for i in range(min(m.shape[0], max_heads))]
+    cols = min(len(panels), 4)
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.3 * rows), dpi=110, squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
+    for ax, (name, m) in zip(axes.flat, panels):
+        im = ax.imshow(m.numpy(), cmap="viridis", interpolation="nearest")
+        ax.plot(query[1], query[0], marker="x", color="red", ms=8, mew=2)
+        ax.set_title(name, fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def draw_distance(results: Dict[str, Tensor], path: Path, title: str) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=110)
+    for k, (label, d) in enumerate(results.items()):
+        layers = torch.arange(d.shape[0]).float() + 1 + (k - (len(results) - 1) / 2) * 0.08
+        for head in range(d.shape[1]):
+            ax.scatter(layers, d[:, head], s=14, color=f"C{k}", label=label if head == 0 else None)
+        ax.plot(layers, d.mean(1), color=f"C{k}", alpha=0.6)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean attention distance (pixels)")
+    finish_plot(fig, ax, title, path)
+
