@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .coords import COORD_MODES, PatchGrid, Size2, to_2tuple
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
-from .vit import VisionTransformer, attend, compute_dtype
+from .vit import VisionTransformer, attend, compute_dtype, position_tokens
 
 __all__ = ["equip_timm_vit", "vit_from_timm", "load_timm_state_dict", "timm_to_vitpe_state_dict", "cpb_from_swinv2"]
 
@@ -77,9 +77,7 @@ def _equipped_pos_embed(self, x: Tensor) -> Tensor:
     b, h, w, d = x.shape
     grid = PatchGrid.create((h, w), self.vitpe_ref_grid, self.vitpe_coord_mode, device=x.device)
     pos = self.vitpe_pos_embed.context(grid, self.num_prefix_tokens, compute_dtype(x))
-    x = pos.add_tokens(x.reshape(b, h * w, d))
-    prefix = [t.expand(b, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
-    x = torch.cat(prefix + [x], dim=1) if prefix else x
+    x = position_tokens(x.reshape(b, h * w, d), pos, (self.cls_token, self.reg_token))
     self._vitpe_state.pos, self._vitpe_state.tokens = pos, x.shape[1]
     return self.pos_drop(x)
 

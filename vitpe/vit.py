@@ -19,7 +19,7 @@ from .coords import COORD_MODES, CoordAugment, PatchGrid, snap, to_2tuple
 from .patch import resize_patch_embed
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
 
-__all__ = ["POOLS", "Attention", "Block", "LayerScale", "VisionTransformer", "attend", "compute_dtype", "take_indices"]
+__all__ = ["POOLS", "Attention", "Block", "LayerScale", "VisionTransformer", "attend", "compute_dtype", "position_tokens", "take_indices"]
 
 POOLS = ("cls", "mean")  # how the head reads the tokens: the class token, or the mean of the patch tokens
 
@@ -27,6 +27,14 @@ POOLS = ("cls", "mean")  # how the head reads the tokens: the class token, or th
 def compute_dtype(x: Tensor) -> torch.dtype:
     """The dtype activations will have: autocast's when it is on, else ``x``'s (PE tables are cast to it)."""
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def position_tokens(x: Tensor, pos: PosContext, prefix: Sequence[Optional[Tensor]]) -> Tensor:
+    """The central rule of token assembly: add the PE's tokens to the patch tokens ``x`` ``(B, N, D)``, then put the
+    prefix tokens (``(1, n, D)`` each: class, registers; None skipped) in front, which carry no position."""
+    x = pos.add_tokens(x)
+    prefix = [t.expand(x.shape[0], -1, -1) for t in prefix if t is not None]
+    return torch.cat(prefix + [x], dim=1) if prefix else x
 
 
 def attend(
@@ -335,10 +343,7 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"grid {grid.size} does not match the input's token grid {grid_hw}")
         x = rearrange(self.patchify(x, patch_size), "b d h w -> b (h w) d")  # (B, N, D)
         pos = self.pos_embed.context(grid, self.num_prefix_tokens, compute_dtype(x))
-        x = pos.add_tokens(x)
-        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
-        x = torch.cat(prefix + [x], dim=1) if prefix else x
-        return self.pos_drop(x), pos
+        return self.pos_drop(position_tokens(x, pos, (self.cls_token, self.reg_token))), pos
 
     def run_blocks(self, x: Tensor, pos: PosContext, stop: Optional[int] = None, num_queries: Optional[int] = None) -> Iterator[Tensor]:
         """The one block loop: yields the tokens after each block (and its conditional PE), through block ``stop``
