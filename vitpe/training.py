@@ -256,8 +256,24 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 @dataclass
+class Tally:
+    """One epoch's running sums; saved with a mid-epoch checkpoint, so a resumed epoch's metrics cover all its steps."""
+
+    seen: int = 0
+    correct: int = 0
+    loss_sum: float = 0.0
+    data_s: float = 0.0
+    epoch_s: float = 0.0  # before this process took the epoch over
+
+    def saved(self, loss_sum: torch.Tensor, since: float) -> Dict[str, float]:
+        return {"seen": self.seen, "correct": self.correct, "loss_sum": loss_sum.item(), "data_s": self.data_s,
+                "epoch_s": self.epoch_s + time.time() - since}
+
+
+@dataclass
 class Job:
-    """Everything :func:`main` prepared for :func:`train_loop`: one run, where it stands, and its parts."""
+    """One run, where it stands (``epoch``, ``step``: completed steps of the current epoch) and its parts, as
+    :func:`main` prepared them. Its methods are the named steps of training; :func:`train_loop` runs them."""
 
     cfg: Config
     run: Path
@@ -288,159 +304,163 @@ class Job:
     partial: Dict[str, float]
     last_saved: Optional[Tuple[int, int]]
 
-
-def train_loop(job: Job) -> int:
-    """The epochs and steps of one run, from where ``job`` stands."""
-    j = job
-    cfg, run, model, optimizer, scheduler, scaler, ema = j.cfg, j.run, j.model, j.optimizer, j.scheduler, j.scaler, j.ema
-    rank, world, device, dtype, log = j.rank, j.world, j.device, j.dtype, j.log
-    distributed = world > 1
-    ds, train_at, train_y, test_x, test_y, sizes = j.ds, j.train_at, j.train_y, j.test_x, j.test_y, j.sizes
-    augment, mixup, criterion, steps_per_epoch = j.augment, j.mixup, j.criterion, j.steps_per_epoch
-    epoch, step, rows, partial, last_saved, model_args = j.epoch, j.step, j.rows, j.partial, j.last_saved, j.model_args
-
-    net = model
-    if cfg.train.compile:
-        net = torch.compile(net)
-    if distributed:
-        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
-
-    def kept() -> str:
+    def kept(self) -> str:
         """What is on disk to continue from, truthfully."""
-        if last_saved is None:
-            return f"no checkpoint was written yet; python train.py --resume {run} starts it again from step 0"
-        e, s = last_saved
+        if self.last_saved is None:
+            return f"no checkpoint was written yet; python train.py --resume {self.run} starts it again from step 0"
+        e, s = self.last_saved
         at = f"after epoch {e}" if s == 0 else f"at epoch {e + 1} step {s}"
-        return f"the last good checkpoint ({at}) is kept in {run}"
+        return f"the last good checkpoint ({at}) is kept in {self.run}"
 
-    def checkpoint(at_epoch: int, at_step: int, progress: Optional[dict] = None) -> None:
-        """Save, unless the weights are not finite: a checkpoint is always one to continue from."""
-        nonlocal last_saved
+    def checkpoint(self, partial: Optional[Dict[str, float]] = None) -> None:
+        """Save at (epoch, step), unless the weights are not finite: a checkpoint is always one to continue from."""
+        model, ema = self.model, self.ema
         bad = non_finite(model.state_dict()) + ([] if ema is None else non_finite(ema.module.state_dict()))
         if bad:
-            raise TrainingError(f"the weights became non-finite ({len(bad)} tensors, e.g. {bad[0]}) at epoch {at_epoch + 1} step {at_step}; "
-                                f"{kept()}. Lower train.lr, keep train.grad_clip on, or use train.amp=bf16 instead of fp16")
-        if rank == 0:
+            raise TrainingError(f"the weights became non-finite ({len(bad)} tensors, e.g. {bad[0]}) at epoch {self.epoch + 1} step {self.step}; "
+                                f"{self.kept()}. Lower train.lr, keep train.grad_clip on, or use train.amp=bf16 instead of fp16")
+        if self.rank == 0:
             save_checkpoint({
-                "config": cfg.to_dict(), "model_args": model_args, "data": ds.describe(), "model": model.state_dict(),
-                "ema": ema.module.state_dict() if ema is not None else None, "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": at_epoch, "step": at_step,
-                "metrics": rows, "partial_epoch": progress,
-            }, run / CHECKPOINT_NAME)
-        last_saved = (at_epoch, at_step)
+                "config": self.cfg.to_dict(), "model_args": self.model_args, "data": self.ds.describe(), "model": model.state_dict(),
+                "ema": ema.module.state_dict() if ema is not None else None, "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "epoch": self.epoch, "step": self.step,
+                "metrics": self.rows, "partial_epoch": partial,
+            }, self.run / CHECKPOINT_NAME)
+        self.last_saved = (self.epoch, self.step)
 
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"run {run}: {cfg.data.name} ({len(train_y)} train / {len(test_x)} test, {ds.num_classes} classes), "
-        f"ViT {n_params / 1e6:.2f}M params, pe={cfg.model.pos_embed}, {device}{f' x{world}' if distributed else ''}, "
-        f"amp={dtype}, {cfg.train.epochs} epochs x {steps_per_epoch} steps"
-        + (f", resolutions {sizes}" if len(sizes) > 1 else ""))
+    def batch(self, perm: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This process's share of the step's global batch: images, targets (mixed, with mixup), labels."""
+        cfg, rank = self.cfg, self.rank
+        local = cfg.train.batch_size // self.world
+        seed_step(cfg.train.seed, self.epoch, self.step)  # same on every rank: the global batch is augmented identically
+        idx = perm[self.step * cfg.train.batch_size : (self.step + 1) * cfg.train.batch_size]
+        res = self.sizes[torch.randint(len(self.sizes), ()).item()] if len(self.sizes) > 1 else self.sizes[0]
+        x = self.train_at[res][idx]
+        x = x if x.shape[-1] == res else resize_images(x, (res, res))
+        x = self.augment(x)[rank * local : (rank + 1) * local]
+        y = self.train_y[idx][rank * local : (rank + 1) * local]
+        x, y = normalize(x.to(self.device, non_blocking=True), self.ds.mean, self.ds.std), y.to(self.device, non_blocking=True)
+        seed_step(cfg.train.seed, self.epoch, self.step, rank)  # per-rank: dropout, drop-path, mixup
+        return (*self.mixup(x, y), y) if self.mixup is not None else (x, y, y)
 
+    def update(self, net: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, progress: Optional[Progress]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on a batch; the step counter, schedule and EMA advance with it. Returns (loss, logits)."""
+        with autocast(self.device, self.dtype):
+            logits = net(x)
+            loss = self.criterion(logits.float(), target)
+        self.optimizer.zero_grad(set_to_none=True)
+        if progress is not None:
+            progress.mark(self.epoch, self.step, 1)
+        self.scaler.scale(loss).backward()
+        if self.cfg.train.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.step += 1
+        self.scheduler.step_update(self.epoch * self.steps_per_epoch + self.step)
+        if self.ema is not None:
+            self.ema.update(self.model)
+        return loss, logits
+
+    def finish_epoch(self, tally: Tally, loss_sum: torch.Tensor, elapsed: float, started: float) -> None:
+        """Evaluate (rank 0), record the epoch's metrics, checkpoint, then write the metrics files and the log line."""
+        cfg = self.cfg
+        if self.rank == 0:
+            test = evaluate(self.ema.module if self.ema is not None else self.model, self.test_x, self.test_y, self.ds.mean, self.ds.std,
+                            cfg.train.eval_batch_size, self.device, self.dtype)
+            if not math.isfinite(test["loss"]):
+                raise TrainingError(f"test loss became {test['loss']} after epoch {self.epoch + 1}; {self.kept()}. Lower train.lr")
+            seen = max(tally.seen, 1)
+            self.rows.append({
+                "epoch": self.epoch + 1, "train_loss": loss_sum.item() / seen, "train_acc": tally.correct / seen,
+                "test_loss": test["loss"], "test_top1": test["top1"], **({"test_top5": test["top5"]} if "top5" in test else {}),
+                "test_per_class_top1": [round(a, 4) for a in test["per_class_top1"]], "lr": self.optimizer.param_groups[0]["lr"],
+                "images_per_s": tally.seen * self.world / elapsed, "data_time_frac": tally.data_s / elapsed, "epoch_s": elapsed,
+                "wall_s": time.time() - started,
+            })
+        self.epoch, self.step = self.epoch + 1, 0
+        self.checkpoint()  # checkpoint first: metrics never run ahead of the weights
+        if self.rank == 0:
+            write_metrics(self.run, self.rows)
+            r = self.rows[-1]
+            self.log(f"epoch {self.epoch}/{cfg.train.epochs}: train loss {r['train_loss']:.3f} acc {r['train_acc']:.3f} | "
+                     f"test loss {r['test_loss']:.3f} top-1 {r['test_top1']:.4f} | {r['images_per_s']:.0f} img/s, "
+                     f"data {100 * r['data_time_frac']:.0f}% of step time, {elapsed:.0f}s")
+
+
+def train_loop(job: Job) -> int:
+    """The epochs and steps of one run, from where ``job`` stands; returns the exit code."""
     from tqdm import tqdm
 
-    local_batch = cfg.train.batch_size // world
+    cfg, run, log, world = job.cfg, job.run, job.log, job.world
+    distributed = world > 1
+    net = torch.compile(job.model) if cfg.train.compile else job.model
+    if distributed:
+        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[job.device.index] if job.device.type == "cuda" else None)
+    n_params = sum(p.numel() for p in job.model.parameters())
+    log(f"run {run}: {cfg.data.name} ({len(job.train_y)} train / {len(job.test_x)} test, {job.ds.num_classes} classes), "
+        f"ViT {n_params / 1e6:.2f}M params, pe={cfg.model.pos_embed}, {job.device}{f' x{world}' if distributed else ''}, "
+        f"amp={job.dtype}, {cfg.train.epochs} epochs x {job.steps_per_epoch} steps"
+        + (f", resolutions {job.sizes}" if len(job.sizes) > 1 else ""))
+
     started = time.time()
-    progress = Progress(rank, world) if distributed else None
+    progress = Progress(job.rank, world) if distributed else None
     with StopRequest(log) as stop:
         try:
-            while epoch < cfg.train.epochs:
+            while job.epoch < cfg.train.epochs:
                 net.train()
-                perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(cfg.train.seed * 1009 + epoch))
-                # A resumed epoch goes on counting from where it stopped, so its metrics cover all its steps.
-                seen, correct = partial.get("seen", 0), partial.get("correct", 0)
-                loss_sum = torch.tensor(partial.get("loss_sum", 0.0), device=device, dtype=torch.float64)
-                t_data, t_before = partial.get("data_s", 0.0), partial.get("epoch_s", 0.0)
-                partial, t_epoch = {}, time.time()
-                bar = tqdm(total=steps_per_epoch, initial=step, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
-                           disable=rank != 0 or not sys.stderr.isatty(), dynamic_ncols=True)
-                while step < steps_per_epoch:
+                perm = torch.randperm(len(job.train_y), generator=torch.Generator().manual_seed(cfg.train.seed * 1009 + job.epoch))
+                tally = Tally(**job.partial)  # a resumed epoch goes on counting from where it stopped
+                loss_sum = torch.tensor(tally.loss_sum, device=job.device, dtype=torch.float64)
+                job.partial, t_epoch = {}, time.time()
+                bar = tqdm(total=job.steps_per_epoch, initial=job.step, desc=f"epoch {job.epoch + 1}/{cfg.train.epochs}",
+                           disable=job.rank != 0 or not sys.stderr.isatty(), dynamic_ncols=True)
+                while job.step < job.steps_per_epoch:
                     if progress is not None:
-                        progress.mark(epoch, step)
-                    signum = stop.agreed(distributed, device)
-                    if signum:
+                        progress.mark(job.epoch, job.step)
+                    signum = stop.agreed(distributed, job.device)
+                    if signum:  # a step boundary: weights, optimizer and counter agree
                         bar.close()
-                        checkpoint(epoch, step, {"seen": seen, "correct": correct, "loss_sum": loss_sum.item(), "data_s": t_data,
-                                                 "epoch_s": t_before + time.time() - t_epoch})
-                        log(f"{signal.Signals(signum).name} at epoch {epoch + 1} step {step}; checkpoint saved. "
+                        job.checkpoint(tally.saved(loss_sum, t_epoch))
+                        log(f"{signal.Signals(signum).name} at epoch {job.epoch + 1} step {job.step}; checkpoint saved. "
                             f"Continue with: python train.py --resume {run}")
                         return 128 + signum
                     t0 = time.time()
-                    seed_step(cfg.train.seed, epoch, step)  # same on every rank: the global batch is augmented identically
-                    idx = perm[step * cfg.train.batch_size : (step + 1) * cfg.train.batch_size]
-                    res = sizes[torch.randint(len(sizes), ()).item()] if len(sizes) > 1 else sizes[0]
-                    x = train_at[res][idx]
-                    x = x if x.shape[-1] == res else resize_images(x, (res, res))
-                    x = augment(x)[rank * local_batch : (rank + 1) * local_batch]
-                    y = train_y[idx][rank * local_batch : (rank + 1) * local_batch]
-                    x, y = normalize(x.to(device, non_blocking=True), ds.mean, ds.std), y.to(device, non_blocking=True)
-                    seed_step(cfg.train.seed, epoch, step, rank)  # per-rank: dropout, drop-path, mixup
-                    target = y
-                    if mixup is not None:
-                        x, target = mixup(x, y)
-                    t_data += time.time() - t0
-                    with autocast(device, dtype):
-                        logits = net(x)
-                        loss = criterion(logits.float(), target)
-                    optimizer.zero_grad(set_to_none=True)
-                    if progress is not None:
-                        progress.mark(epoch, step, 1)
-                    scaler.scale(loss).backward()
-                    if cfg.train.grad_clip > 0:
-                        scaler.unscale_(optimizer)
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-                    scaler.step(optimizer)
-                    scaler.update()
-                    step += 1
-                    scheduler.step_update(epoch * steps_per_epoch + step)
-                    if ema is not None:
-                        ema.update(model)
+                    x, target, y = job.batch(perm)
+                    tally.data_s += time.time() - t0
+                    loss, logits = job.update(net, x, target, progress)
                     loss_sum += loss.detach().double() * len(y)
-                    correct += (logits.argmax(1) == y).sum().item()
-                    seen += len(y)
-                    if step % 10 == 0 or step == steps_per_epoch:  # a sync every 10 steps, not every step
-                        avg = loss_sum.item() / seen
+                    tally.correct += (logits.argmax(1) == y).sum().item()
+                    tally.seen += len(y)
+                    if job.step % 10 == 0 or job.step == job.steps_per_epoch:  # a sync every 10 steps, not every step
+                        avg = loss_sum.item() / tally.seen
                         if not math.isfinite(avg):
-                            raise TrainingError(f"loss became {avg} at epoch {epoch + 1} step {step}; {kept()}. "
+                            raise TrainingError(f"loss became {avg} at epoch {job.epoch + 1} step {job.step}; {job.kept()}. "
                                                 f"Lower train.lr, keep train.grad_clip on, or use train.amp=bf16 instead of fp16")
-                        bar.set_postfix(loss=f"{avg:.3f}", acc=f"{correct / seen:.3f}", img_s=f"{seen * world / (time.time() - t_epoch):.0f}")
+                        bar.set_postfix(loss=f"{avg:.3f}", acc=f"{tally.correct / tally.seen:.3f}",
+                                        img_s=f"{tally.seen * world / (time.time() - t_epoch):.0f}")
                     bar.update(1)
                 bar.close()
-                elapsed = t_before + time.time() - t_epoch
-                if rank == 0:
-                    test = evaluate(ema.module if ema is not None else model, test_x, test_y, ds.mean, ds.std,
-                                    cfg.train.eval_batch_size, device, dtype)
-                    if not math.isfinite(test["loss"]):
-                        raise TrainingError(f"test loss became {test['loss']} after epoch {epoch + 1}; {kept()}. Lower train.lr")
-                    rows.append({"epoch": epoch + 1, "train_loss": loss_sum.item() / max(seen, 1), "train_acc": correct / max(seen, 1),
-                                 "test_loss": test["loss"], "test_top1": test["top1"], **({"test_top5": test["top5"]} if "top5" in test else {}),
-                                 "test_per_class_top1": [round(a, 4) for a in test["per_class_top1"]], "lr": optimizer.param_groups[0]["lr"],
-                                 "images_per_s": seen * world / elapsed, "data_time_frac": t_data / elapsed, "epoch_s": elapsed,
-                                 "wall_s": time.time() - started})
-                epoch, step = epoch + 1, 0
-                checkpoint(epoch, 0)  # checkpoint first: metrics never run ahead of the weights
-                if rank == 0:
-                    write_metrics(run, rows)
-                    r = rows[-1]
-                    log(f"epoch {epoch}/{cfg.train.epochs}: train loss {r['train_loss']:.3f} acc {r['train_acc']:.3f} | "
-                        f"test loss {r['test_loss']:.3f} top-1 {r['test_top1']:.4f} | {r['images_per_s']:.0f} img/s, "
-                        f"data {100 * r['data_time_frac']:.0f}% of step time, {elapsed:.0f}s")
+                job.finish_epoch(tally, loss_sum, tally.epoch_s + time.time() - t_epoch, started)
                 if distributed:
                     dist.barrier()
                 limit = cfg.train.time_limit_min
-                if limit is not None and time.time() - started > 60 * limit and epoch < cfg.train.epochs:
-                    log(f"time limit of {limit} min reached after epoch {epoch}; continue with: python train.py --resume {run}")
+                if limit is not None and time.time() - started > 60 * limit and job.epoch < cfg.train.epochs:
+                    log(f"time limit of {limit} min reached after epoch {job.epoch}; continue with: python train.py --resume {run}")
                     return 0
         except KeyboardInterrupt:  # the second Ctrl-C: the state may be mid-update, so nothing is saved
-            log(f"\naborted without saving; {kept()}")
+            log(f"\naborted without saving; {job.kept()}")
             return 130
         except RuntimeError as e:
             text = str(e).lower()
             if distributed and not isinstance(e, TrainingError) and ("timed out" in text or "timeout" in text):
-                raise TrainingError(f"rank {rank}: no answer from the other processes within train.dist_timeout_s="
-                                    f"{cfg.train.dist_timeout_s:g}s{progress.laggards() if progress else ''}; {kept()}") from None
+                raise TrainingError(f"rank {job.rank}: no answer from the other processes within train.dist_timeout_s="
+                                    f"{cfg.train.dist_timeout_s:g}s{progress.laggards() if progress else ''}; {job.kept()}") from None
             raise
 
-    if rows:
-        log(f"done in {time.time() - started:.0f}s: test top-1 {rows[-1]['test_top1']:.4f}\n"
+    if job.rows:
+        log(f"done in {time.time() - started:.0f}s: test top-1 {job.rows[-1]['test_top1']:.4f}\n"
             f"  run:        {run}\n  checkpoint: {run / CHECKPOINT_NAME}\n  metrics:    {run / 'metrics.csv'} (and metrics.jsonl)\n"
             f"  evaluate at other resolutions: python eval.py {run}")
     return 0
