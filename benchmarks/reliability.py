@@ -47,8 +47,11 @@ def weights(run: Path) -> dict:
 
 def trial(kind: str, delay: float, run: Path, train_args: list) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # A campaign started in the background inherits an ignored SIGINT, and so would train.py (it keeps ignoring a
+    # signal it was started ignoring): give it the default, as a terminal's Ctrl-C finds it.
     p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *train_args, "--out-dir", str(run.parent), "--name", run.name],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(delay)
     finished_first = p.poll() is not None
     if not finished_first:
@@ -81,12 +84,13 @@ def summarise(rows: list, reference_s: float, args: argparse.Namespace) -> str:
              f"{len(rows)} trials on the tiny config with --epochs {args.epochs} (reference run {reference_s:.1f} s wall, "
              f"including start-up; signals drawn uniformly from 0.5 s before training starts to its last checkpoint); "
              f"torch {torch.__version__}, {os.cpu_count()} CPU cores; nothing else ran.", "",
-             "| signal | trials | finished before the signal | intact afterwards | resumed bit-exactly | temporaries left |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| signal | trials | stopped by it | finished before it | intact afterwards | resumed bit-exactly | temporaries left |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for kind in SIGNALS:
         r = [x for x in rows if x["kind"] == kind]
         if r:
-            lines.append(f"| {kind} | {len(r)} | {sum(x['finished_before_signal'] for x in r)} | {sum(x['intact'] for x in r)} | "
+            lines.append(f"| {kind} | {len(r)} | {sum(x['returncode'] != 0 for x in r)} | {sum(x['finished_before_signal'] for x in r)} | "
+                         f"{sum(x['intact'] for x in r)} | "
                          f"{sum(x['bit_exact'] for x in r)} | {sum(x['leftover_temporaries'] for x in r)} |")
     def where(x: dict) -> str:
         if x["finished_before_signal"]:

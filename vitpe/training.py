@@ -98,7 +98,8 @@ class StopRequest:
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
-            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            # A signal the process was started ignoring (nohup, a background job) stays ignored.
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc: object) -> None:
