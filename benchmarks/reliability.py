@@ -132,7 +132,7 @@ def main(argv=None) -> int:
 
             shutil.rmtree(reference)
         t0 = time.time()
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}  # each line when it is printed, to time it
         proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *train_args, "--out-dir", str(work), "--name", reference.name],
                                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
