@@ -210,6 +210,11 @@ def test_eval_compares_several_runs_on_one_table(tiny_run, tmp_path):
     assert eval_script.main([str(tiny_run), str(tmp_path / "rope"), "--resolutions", "16", "32", "--out", str(out)]) == 0
     rows = json.loads((out / "results.json").read_text())
     assert sorted({r["label"] for r in rows}) == ["rope_axial", "sincos2d"]
+    # Each run is measured on its own test subset, not on the first run's.
+    assert train(tmp_path, "small", "--epochs", "1", "--set", "data.test_size=32") == 0
+    both = tmp_path / "both"
+    assert eval_script.main([str(tiny_run), str(tmp_path / "small"), "--resolutions", "16", "--out", str(both)]) == 0
+    assert [r["n"] for r in json.loads((both / "results.json").read_text())] == [64, 32]
 
 
 def test_eval_bad_inputs(tiny_run, tmp_path):

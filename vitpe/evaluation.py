@@ -79,14 +79,20 @@ def default_resolutions(img_size: int, patch: int) -> List[Tuple[int, int]]:
     return [(s, s) for s in sizes]
 
 
-def dataset_of(config: Config, name: Optional[str] = None, data_dir: Optional[str] = None, test_size: Optional[int] = None,
-               image_size: Optional[Tuple[int, int]] = None):
-    """The dataset a run's ``config`` was trained on (or ``name``), with its test subset unless another is given."""
+def data_args(config: Config, name: Optional[str] = None, data_dir: Optional[str] = None, test_size: Optional[int] = None,
+              image_size: Optional[Tuple[int, int]] = None) -> tuple:
+    """``load_dataset``'s arguments for the data a run's ``config`` was trained on (or ``name``), with its test
+    subset unless another is given: also the key under which one evaluation shares a loaded dataset."""
     own = config.data
     name = name or own.name
     test_size = test_size or (own.test_size if name == own.name else None)
-    size = image_size or (config.model.img_size,) * 2
-    return load_dataset(name, data_dir or own.data_dir, None, test_size, size)
+    return name, data_dir or own.data_dir, None, test_size, image_size or (config.model.img_size,) * 2
+
+
+def dataset_of(config: Config, name: Optional[str] = None, data_dir: Optional[str] = None, test_size: Optional[int] = None,
+               image_size: Optional[Tuple[int, int]] = None):
+    """The dataset a run's ``config`` was trained on (see :func:`data_args`)."""
+    return load_dataset(*data_args(config, name, data_dir, test_size, image_size))
 
 
 def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], device: torch.device, dtype: Optional[torch.dtype] = None,
@@ -145,9 +151,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   f"use multiples of {patch}, e.g. {snap(h, patch)}")
             if "patch" in routes and (h % ref_h or w % ref_w or h // ref_h != w // ref_w):
                 raise ConfigError(f"--route patch keeps the {ref_h}x{ref_w} token grid, so resolution {h}x{w} must be k*{ref_h} x k*{ref_w}")
-        key = (args.data or cfg.data.name, args.data_dir, args.test_size, train_size)
+        key = data_args(cfg, args.data, args.data_dir, args.test_size)
         if key not in datasets:
-            datasets[key] = dataset_of(cfg, args.data, args.data_dir, args.test_size)
+            datasets[key] = load_dataset(*key)
         ds, name = datasets[key], key[0]
         if ds.num_classes != model.num_classes or ds.in_chans != model.in_chans:
             raise ConfigError(f"{ckpt} was trained for {model.num_classes} classes / {model.in_chans} channels, but {name} has "

@@ -103,12 +103,11 @@ def _equipped_block(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     return self._vitpe_state.pos.after_block(self._vitpe_layer, x)
 
 
-def _load_pe_from_timm(pe: PosEmbed, weights: Dict[str, Tensor]) -> bool:
-    """Give ``pe`` the timm weights it can take; True if it took any."""
+def _load_pe_from_timm(pe: PosEmbed, weights: Dict[str, Tensor]) -> None:
+    """Give ``pe`` the timm weights it can take."""
     given = pe.from_timm(weights)
     if given:
         pe.load_state_dict({**pe.state_dict(), **given})
-    return bool(given)
 
 
 def equip_timm_vit(
