@@ -5,14 +5,15 @@ patches* (the grid the model was built for), columns ``(x, y)``, tokens in row-m
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence, Tuple, Union
+from typing import ClassVar, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["COORD_MODES", "grid_coords", "PatchGrid", "CoordAugment", "to_2tuple", "snap"]
+__all__ = ["COORD_MODES", "grid_coords", "cell_coords", "PatchGrid", "TokenGrid", "CoordAugment", "to_2tuple", "snap"]
 
 COORD_MODES = ("interpolate", "extrapolate")
 CoordMode = Literal["interpolate", "extrapolate"]
@@ -95,6 +96,8 @@ class PatchGrid:
     key: Optional[tuple] = None
     mode: Optional[str] = None
     affine: Optional[Tuple[float, float, float, float]] = None
+    batched: ClassVar[bool] = False  # one grid shared by every image of the batch
+    images_per_row: ClassVar[int] = 1
 
     @classmethod
     def create(
@@ -149,21 +152,175 @@ class PatchGrid:
         return grid if self.affine is None else grid.transformed(*self.affine)
 
 
+def cell_coords(cells: Tensor, sizes: Tensor, ref: Size2, mode: CoordMode = "interpolate") -> Tensor:
+    """Coordinates of tokens given by their cell in their own image's grid: the per-token form of :func:`grid_coords`.
+
+    ``cells`` ``(..., 2)`` ``(column, row)`` and ``sizes`` ``(..., 2)`` ``(w, h)`` of each token's image grid, any
+    leading shape (a packed sequence mixes images of different sizes). Returns float32 ``(..., 2)`` ``(x, y)``, bit for
+    bit :func:`grid_coords` of that image's grid (the same float64 operations in the same order).
+    """
+    rh, rw = to_2tuple(ref, "ref_grid")
+    c, n = cells.to(torch.float64), sizes.to(torch.float64)
+    if mode == "interpolate":
+        scale = torch.tensor([rw, rh], device=c.device, dtype=torch.float64) / n
+        return (c * scale + (0.5 * scale - 0.5)).float()
+    if mode == "extrapolate":
+        return c.float()
+    raise ValueError(f"unknown coord mode {mode!r}; expected one of {COORD_MODES}")
+
+
+def _affine(coords: Tensor, centre: Tensor, affine: Tensor) -> Tensor:
+    """Scale ``(sx, sy)`` about ``centre``, then shift ``(tx, ty)``: ``affine`` ``(..., 4)`` per token. Written as
+    ``c * s + (centre * (1 - s) + t)`` so that the identity gives ``coords`` back bit for bit."""
+    s, t = affine[..., :2], affine[..., 2:]
+    return coords * s + (centre * (1 - s) + t)
+
+
+@dataclass(frozen=True, eq=False)
+class TokenGrid:
+    """Coordinates per image: what a batch of token-dropped, per-image augmented or packed images hands every PE.
+
+    Row ``b`` of the batch holds ``N`` tokens; token ``n`` is cell ``cells[b, n]`` ``(column, row)`` of an image whose
+    grid is ``sizes[b, n]`` ``(w, h)``, at ``coords[b, n]`` ``(x, y)``. A row holds one image, or, packed (NaViT),
+    up to ``images_per_row`` images told apart by ``segments[b, n]`` (slot ``0..K-1``; ``-1``: padding), whose tokens
+    attend only to their own image. ``affine`` ``(B, N, 4)`` is a per-image augmentation (scale about the image
+    centre, then shift), kept so that :meth:`in_mode` can redo the coordinates in another mode. ``images``
+    ``(M, 2)`` gives the ``(row, slot)`` of each packed image in input order. ``cells=None``: coordinates given
+    directly (no mode change, no grid for PEG). Never cached: ``key`` is always None.
+    """
+
+    ref: Tuple[int, int]
+    coords: Tensor
+    cells: Optional[Tensor] = None
+    sizes: Optional[Tensor] = None
+    mode: Optional[str] = None
+    affine: Optional[Tensor] = None
+    segments: Optional[Tensor] = None
+    images: Optional[Tensor] = None
+    images_per_row: int = 1
+    batched: ClassVar[bool] = True
+    key: ClassVar[None] = None
+    spacing: ClassVar[None] = None
+    is_reference: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        c = self.coords
+        if c.dim() != 3 or c.shape[-1] != 2:
+            raise ValueError(f"per-image coordinates must have shape (B, N, 2) (x, y per token), got {tuple(c.shape)}")
+        for name in ("cells", "sizes", "affine", "segments"):
+            t = getattr(self, name)
+            want = c.shape[:2] + ((4,) if name == "affine" else () if name == "segments" else (2,))
+            if t is not None and t.shape != want:
+                raise ValueError(f"TokenGrid.{name} must have shape {tuple(want)} to match coords {tuple(c.shape)}, got {tuple(t.shape)}")
+
+    @classmethod
+    def from_coords(cls, coords: Tensor, ref_grid: Size2) -> "TokenGrid":
+        """Arbitrary per-image coordinates ``(B, N, 2)``: every PE but PEG (which needs a grid) and per-part modes."""
+        return cls(to_2tuple(ref_grid, "ref_grid"), coords.float())
+
+    @classmethod
+    def from_grid(cls, grid: PatchGrid, batch: int) -> "TokenGrid":
+        """``grid`` given to each of ``batch`` images: the starting point of dropping and per-image augmentation."""
+        if grid.affine is not None or grid.mode is None:
+            raise ValueError("TokenGrid.from_grid needs a plain grid made by PatchGrid.create (no batch-level augmentation)")
+        h, w = grid.size
+        dev = grid.coords.device
+        rows, cols = torch.meshgrid(torch.arange(h, device=dev), torch.arange(w, device=dev), indexing="ij")
+        cells = torch.stack([cols.flatten(), rows.flatten()], -1).expand(batch, -1, -1)
+        sizes = torch.tensor([w, h], device=dev).expand(batch, h * w, 2)
+        return cls(grid.ref, grid.coords.expand(batch, -1, -1), cells, sizes, grid.mode)
+
+    @property
+    def size(self) -> Tuple[int, int]:
+        """``(h, w)`` of the largest image grid: the canvas a grid convolution (PEG) scatters tokens onto."""
+        if self.sizes is None:
+            raise ValueError("these per-image coordinates were given directly (TokenGrid.from_coords): they have no grid")
+        w, h = self.sizes.flatten(0, 1).amax(0).tolist()
+        return int(h), int(w)
+
+    def _centres(self) -> Tensor:
+        """Each token's image centre in this grid's coordinate mode (what rescaling is about)."""
+        return cell_coords((self.sizes - 1).double() / 2, self.sizes, self.ref, self.mode)
+
+    def augmented(self, affine: Tensor) -> "TokenGrid":
+        """Scale ``(sx, sy)`` about each image's centre, then shift ``(tx, ty)``: ``affine`` ``(B, 4)`` one per row, or
+        ``(B, N, 4)`` per token (one per image in a packed row); composed with an earlier augmentation."""
+        if self.cells is None:
+            raise ValueError("augmenting per-image coordinates needs their grid cells (a TokenGrid from from_grid or packing)")
+        affine = affine.to(self.coords.device, torch.float32)
+        if affine.dim() == 2:
+            affine = affine[:, None].expand(-1, self.coords.shape[1], -1)
+        coords = _affine(self.coords, self._centres(), affine)
+        if self.affine is not None:  # scaling about the centre keeps the earlier shift: scales multiply, shifts add
+            affine = torch.cat([self.affine[..., :2] * affine[..., :2], self.affine[..., 2:] + affine[..., 2:]], -1)
+        return dataclasses.replace(self, coords=coords, affine=affine)
+
+    def in_mode(self, mode: Optional[str]) -> "TokenGrid":
+        """The same tokens with coordinates in coordinate mode ``mode`` (``None``: unchanged), augmentation kept."""
+        if mode is None or mode == self.mode:
+            return self
+        if self.cells is None:
+            raise ValueError(
+                f"a positional encoding with its own coord_mode={mode!r} needs grid cells; these coordinates were given "
+                "directly (TokenGrid.from_coords): drop the part's coord_mode"
+            )
+        grid = dataclasses.replace(self, coords=cell_coords(self.cells, self.sizes, self.ref, mode), mode=mode, affine=None)
+        return grid if self.affine is None else grid.augmented(self.affine)
+
+    def take(self, index: Tensor) -> "TokenGrid":
+        """The tokens ``index`` ``(B, n)`` of each row (token dropping), every per-token field with them."""
+        def pick(t: Optional[Tensor]) -> Optional[Tensor]:
+            if t is None:
+                return None
+            return t.gather(1, index if t.dim() == 2 else index[..., None].expand(-1, -1, t.shape[-1]))
+
+        return dataclasses.replace(self, coords=pick(self.coords), cells=pick(self.cells), sizes=pick(self.sizes),
+                                   affine=pick(self.affine), segments=pick(self.segments))
+
+    def keep_random(self, keep: float, generator: Optional[torch.Generator] = None) -> "TokenGrid":
+        """A random ``keep`` fraction of each row's tokens (at least one), a different subset per image, in raster
+        order (FLIP, Li et al. CVPR 2023; NaViT's token dropping). One image per row only."""
+        if not 0 < keep <= 1:
+            raise ValueError(f"token_keep must be in (0, 1], got {keep}")
+        if self.segments is not None:
+            raise ValueError("token dropping works on one image per row; drop before packing")
+        b, n = self.coords.shape[:2]
+        k = max(1, int(round(keep * n)))
+        noise = torch.rand(b, n, generator=generator, device=None if generator is not None else self.coords.device)
+        index = noise.to(self.coords.device).argsort(1)[:, :k].sort(1).values
+        return self.take(index)
+
+    def rebased(self, ref: Tuple[int, int], mode: str) -> "TokenGrid":
+        """These tokens' coordinates in units of reference grid ``ref`` and coordinate mode ``mode`` (a model's own)."""
+        if self.ref == ref and self.mode == mode:
+            return self
+        if self.cells is None:
+            raise ValueError(f"coordinates given directly are in units of ref grid {self.ref}; the model's is {ref}")
+        grid = dataclasses.replace(self, ref=ref, mode=None, affine=None).in_mode(mode)
+        return grid if self.affine is None else grid.augmented(self.affine)
+
+    def to(self, device: torch.device) -> "TokenGrid":
+        move = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        return dataclasses.replace(self, **move)
+
+
 @dataclass(frozen=True)
 class CoordAugment:
-    """Random shift, rescale and aspect jitter of the patch coordinates while training, as DINOv3
-    (Simeoni et al. 2025) does for RoPE: the model learns that positions are relative and scale-free,
-    which helps at unseen resolutions. Off by default (all identities).
+    """Random shift, rescale and aspect jitter of the patch coordinates while training, drawn per image (CAPE,
+    Likhomanenko et al., NeurIPS 2021; DINOv3's RoPE augmentation, Simeoni et al. 2025): the model learns that
+    positions are relative and scale-free, which helps at unseen resolutions. Off by default (all identities).
 
     ``shift``: offset drawn uniformly in ``[-shift, shift]`` reference patches per axis.
-    ``rescale``: one factor drawn log-uniformly in ``[1/rescale, rescale]``, about the grid centre.
+    ``rescale``: one factor drawn log-uniformly in ``[1/rescale, rescale]``, about the image centre.
     ``jitter``: a further per-axis factor drawn log-uniformly in ``[1/jitter, jitter]``.
-    One draw per batch (the PE tables are shared by the batch), from torch's global generator.
+    ``per_image``: one draw per image (a :class:`TokenGrid`; bias encodings then build one bias per image), or
+    ``False``: one per batch (the grid stays shared, biases too). Draws come from torch's global generator.
     """
 
     shift: float = 0.0
     rescale: float = 1.0
     jitter: float = 1.0
+    per_image: bool = True
 
     def __post_init__(self) -> None:
         if self.shift < 0 or self.rescale < 1 or self.jitter < 1:
@@ -173,10 +330,25 @@ class CoordAugment:
     def active(self) -> bool:
         return self.shift > 0 or self.rescale > 1 or self.jitter > 1
 
-    def __call__(self, grid: PatchGrid) -> PatchGrid:
-        u = torch.rand(5, dtype=torch.float64)
-        scale = math.exp((2 * u[0].item() - 1) * math.log(self.rescale))
-        sx = scale * math.exp((2 * u[1].item() - 1) * math.log(self.jitter))
-        sy = scale * math.exp((2 * u[2].item() - 1) * math.log(self.jitter))
-        tx, ty = ((2 * u[3:5] - 1) * self.shift).tolist()
-        return grid.transformed(sx, sy, tx, ty)  # affine per axis: still a lattice
+    def draw(self, n: int) -> Tensor:
+        """``n`` affine transforms ``(n, 4)`` ``(sx, sy, tx, ty)``."""
+        u = 2 * torch.rand(n, 5, dtype=torch.float64) - 1
+        scale = torch.exp(u[:, 0] * math.log(self.rescale))
+        sx = scale * torch.exp(u[:, 1] * math.log(self.jitter))
+        sy = scale * torch.exp(u[:, 2] * math.log(self.jitter))
+        return torch.stack([sx, sy, u[:, 3] * self.shift, u[:, 4] * self.shift], -1)
+
+    def __call__(self, grid: Union[PatchGrid, TokenGrid], batch: int = 1) -> Union[PatchGrid, TokenGrid]:
+        """``grid`` augmented: per image (``batch`` rows; a packed row draws once per image), or once for the batch."""
+        if not self.per_image:
+            if grid.batched:
+                raise ValueError("coord_aug.per_image=False needs a shared grid; per-image grids take per-image draws")
+            return grid.transformed(*self.draw(1)[0].tolist())
+        if not grid.batched:
+            grid = TokenGrid.from_grid(grid, batch)
+        if grid.segments is None:
+            return grid.augmented(self.draw(grid.coords.shape[0]))
+        rows, k = grid.coords.shape[0], grid.images_per_row
+        table = self.draw(rows * k + 1).to(grid.coords.device)  # one per (row, slot); padding takes the last
+        slot = torch.where(grid.segments < 0, rows * k, torch.arange(rows, device=table.device)[:, None] * k + grid.segments)
+        return grid.augmented(table[slot])

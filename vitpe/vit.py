@@ -15,7 +15,8 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.nn.init import trunc_normal_
 
-from .coords import COORD_MODES, CoordAugment, PatchGrid, snap, to_2tuple
+from .coords import COORD_MODES, CoordAugment, PatchGrid, TokenGrid, snap, to_2tuple
+from .packing import Packed
 from .patch import resize_patch_embed
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
 
@@ -31,10 +32,14 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 def position_tokens(x: Tensor, pos: PosContext, prefix: Sequence[Optional[Tensor]]) -> Tensor:
     """The central rule of token assembly: add the PE's tokens to the patch tokens ``x`` ``(B, N, D)``, then put the
-    prefix tokens (``(1, n, D)`` each: class, registers; None skipped) in front, which carry no position."""
+    prefix tokens (``(1, n, D)`` each: class, registers; None skipped) in front, which carry no position. A packed row
+    gets one group of prefix tokens per image slot (``pos.grid.images_per_row``)."""
     x = pos.add_tokens(x)
-    prefix = [t.expand(x.shape[0], -1, -1) for t in prefix if t is not None]
-    return torch.cat(prefix + [x], dim=1) if prefix else x
+    prefix = [t for t in prefix if t is not None]
+    if not prefix:
+        return x
+    group = torch.cat(prefix, dim=1).repeat(1, pos.grid.images_per_row, 1)
+    return torch.cat([group.expand(x.shape[0], -1, -1), x], dim=1)
 
 
 def attend(
@@ -46,7 +51,8 @@ def attend(
     bias = None
     if pos is not None:
         q, k = pos.rotate(q, k, layer)
-        bias = None if pos.bias is None else pos.bias.to(q.dtype)
+        bias = None if pos.mask is None or pos.mask.dtype == torch.bool else pos.mask.to(q.dtype)
+        bias = pos.mask if bias is None else bias
     if num_queries is not None:
         q = q[:, :, :num_queries]
         bias = None if bias is None else bias[..., :num_queries, :]
@@ -93,7 +99,11 @@ class Attention(nn.Module):
         if pos is not None:
             q, k = pos.rotate(q, k, layer)
         logits = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-        return logits if pos is None or pos.bias is None else logits + pos.bias.to(logits.dtype)
+        if pos is None or pos.mask is None:
+            return logits
+        if pos.mask.dtype == torch.bool:
+            return logits.masked_fill(~pos.mask, float("-inf"))
+        return logits + pos.mask.to(logits.dtype)
 
 
 class DropPath(nn.Module):
@@ -331,19 +341,62 @@ class VisionTransformer(nn.Module):
             resized = self._flexi_cache[1]
         return F.conv2d(x, resized, self.patch_embed.bias, stride=patch_size)
 
-    def embed(self, x: Tensor, grid: Optional[PatchGrid] = None, patch_size: Optional[int] = None) -> Tuple[Tensor, PosContext]:
-        """Patch tokens with prefix tokens, and the PE context for this input: ``(B, T, D)``."""
-        self._check_input(x)
-        grid_hw = self.grid_size(x.shape[-2:], patch_size)
-        if grid is None:
-            grid = self.patch_grid(grid_hw, x.device)
+    def embed(
+        self, x: Union[Tensor, Packed], grid: Optional[Union[PatchGrid, TokenGrid]] = None, patch_size: Optional[int] = None,
+        token_keep: Optional[float] = None,
+    ) -> Tuple[Tensor, PosContext]:
+        """Patch tokens with prefix tokens, and the PE context for this input: ``(B, T, D)``.
+
+        ``x``: images ``(B, C, H, W)``, or a :class:`~vitpe.packing.Packed` batch of images of mixed sizes. ``grid``: the
+        coordinates (default: the input's grid in the model's coordinate mode); a :class:`TokenGrid` gives them per
+        image and, with cells, selects which patches become tokens. ``token_keep=r`` keeps a random fraction ``r`` of
+        each image's patch tokens (FLIP; a different subset per image). ``coord_aug`` applies in training mode."""
+        if isinstance(x, Packed):
+            if grid is not None or token_keep is not None or patch_size not in (None, self.patch_size) or x.patch_size != self.patch_size:
+                raise ValueError(f"a packed batch brings its own grid and tokens at patch_size {x.patch_size}: call the model with it "
+                                 f"alone (model patch_size {self.patch_size}); drop tokens with pack_images(..., token_keep=r)")
+            weight = self.patch_embed.weight
+            if x.patches.shape[-1] != weight[0].numel():
+                raise ValueError(f"packed patches have {x.patches.shape[-1]} values, the model's patches {weight[0].numel()} "
+                                 f"({self.in_chans} channels x {self.patch_size}x{self.patch_size})")
+            tokens = F.linear(x.patches, weight.flatten(1), self.patch_embed.bias)  # the patch convolution, patch by patch
+            grid = x.grid.rebased(self.ref_grid, self.coord_mode)
             if self.training and self.coord_aug.active:
                 grid = self.coord_aug(grid)
-        elif grid.size != grid_hw:
-            raise ValueError(f"grid {grid.size} does not match the input's token grid {grid_hw}")
-        x = rearrange(self.patchify(x, patch_size), "b d h w -> b (h w) d")  # (B, N, D)
-        pos = self.pos_embed.context(grid, self.num_prefix_tokens, compute_dtype(x))
-        return self.pos_drop(position_tokens(x, pos, (self.cls_token, self.reg_token))), pos
+        else:
+            self._check_input(x)
+            b, grid_hw = x.shape[0], self.grid_size(x.shape[-2:], patch_size)
+            made = grid is None
+            if made:
+                grid = self.patch_grid(grid_hw, x.device)
+            else:
+                self._check_grid(grid, b, grid_hw)
+            if token_keep is not None and token_keep < 1:
+                grid = (grid if grid.batched else TokenGrid.from_grid(grid, b)).keep_random(token_keep)
+            if made and self.training and self.coord_aug.active:
+                grid = self.coord_aug(grid, b)
+            tokens = rearrange(self.patchify(x, patch_size), "b d h w -> b (h w) d")  # (B, N, D)
+            if grid.batched and grid.cells is not None:  # the tokens the grid names (all of them, or those kept)
+                index = grid.cells[..., 1] * grid_hw[1] + grid.cells[..., 0]
+                tokens = tokens.gather(1, index[..., None].expand(-1, -1, tokens.shape[-1]))
+        num_prefix = self.num_prefix_tokens * grid.images_per_row
+        pos = self.pos_embed.context(grid, num_prefix, compute_dtype(tokens))
+        return self.pos_drop(position_tokens(tokens, pos, (self.cls_token, self.reg_token))), pos
+
+    @staticmethod
+    def _check_grid(grid: Union[PatchGrid, TokenGrid], batch: int, grid_hw: Tuple[int, int]) -> None:
+        if not grid.batched:
+            if grid.size != grid_hw:
+                raise ValueError(f"grid {grid.size} does not match the input's token grid {grid_hw}")
+            return
+        b, n = grid.coords.shape[:2]
+        if b != batch:
+            raise ValueError(f"per-image coordinates are for {b} images, the batch has {batch}")
+        if grid.cells is None and n != grid_hw[0] * grid_hw[1]:
+            raise ValueError(f"per-image coordinates give {n} tokens per image, the input has {grid_hw[0]}x{grid_hw[1]} patches; "
+                             "give (B, N, 2) with N = patches, or a TokenGrid with cells to select tokens")
+        if grid.cells is not None and ((grid.cells >= grid.cells.new_tensor(grid_hw[::-1])).any() or (grid.cells < 0).any()):
+            raise ValueError(f"per-image grid cells lie outside the input's {grid_hw[0]}x{grid_hw[1]} patch grid")
 
     def run_blocks(self, x: Tensor, pos: PosContext, stop: Optional[int] = None, num_queries: Optional[int] = None) -> Iterator[Tensor]:
         """The one block loop: yields the tokens after each block (and its conditional PE), through block ``stop``
@@ -357,11 +410,12 @@ class VisionTransformer(nn.Module):
                 yield x
 
     def forward_features(
-        self, x: Tensor, grid: Optional[PatchGrid] = None, patch_size: Optional[int] = None, num_queries: Optional[int] = None
+        self, x: Union[Tensor, Packed], grid: Optional[Union[PatchGrid, TokenGrid]] = None, patch_size: Optional[int] = None,
+        num_queries: Optional[int] = None, token_keep: Optional[float] = None,
     ) -> Tensor:
         """``(B, C, H, W) -> (B, T, D)``, normalised, ``T = num_prefix_tokens + (H/p)(W/p)``. With ``num_queries=Q``
         the last block computes only the first Q tokens' outputs, ``(B, Q, D)``: all a class-token head reads."""
-        x, pos = self.embed(x, grid, patch_size)
+        x, pos = self.embed(x, grid, patch_size, token_keep)
         for x in self.run_blocks(x, pos, num_queries=num_queries):
             pass
         return self.norm(x)
@@ -384,7 +438,9 @@ class VisionTransformer(nn.Module):
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take = take_indices(len(self.blocks), indices)
-        hw = self.grid_size(x.shape[-2:], patch_size) if x.dim() == 4 else None
+        if output_fmt == "NCHW" and (isinstance(x, Packed) or (grid is not None and grid.batched)):
+            raise ValueError("per-image or packed tokens do not form one (H, W) map: use output_fmt='NLC'")
+        hw = self.grid_size(x.shape[-2:], patch_size) if isinstance(x, Tensor) and x.dim() == 4 else None
         x, pos = self.embed(x, grid, patch_size)
         p = self.num_prefix_tokens
         out = []
@@ -411,13 +467,37 @@ class VisionTransformer(nn.Module):
             self.head = nn.Identity()
         return take
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        x = x[:, 0] if self.pool == "cls" else x[:, self.num_prefix_tokens :].mean(dim=1)
-        x = self.head_drop(x)
+    def forward_head(self, x: Tensor, pre_logits: bool = False, grid: Optional[Union[PatchGrid, TokenGrid]] = None) -> Tensor:
+        """Pool (class token or mean of the patch tokens) and classify. ``grid``: a packed batch's, pooled per image."""
+        x = self.head_drop(self.pool_tokens(x, grid))
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: Tensor, grid: Optional[PatchGrid] = None, patch_size: Optional[int] = None) -> Tensor:
-        """Logits ``(B, num_classes)`` for images of any size divisible by the patch size (or ``patch_size``)."""
-        # A class-token head reads one token, and the last block's other outputs feed nothing: compute that block
-        # for the class token alone (same logits and gradients as the full forward, ~9/12 of its cost saved).
-        return self.forward_head(self.forward_features(x, grid, patch_size, num_queries=1 if self.pool == "cls" else None))
+    def pool_tokens(self, x: Tensor, grid: Optional[Union[PatchGrid, TokenGrid]] = None) -> Tensor:
+        """``(B, T, D) -> (images, D)``: one vector per image; a packed row holds several, returned in input order."""
+        p = self.num_prefix_tokens
+        if grid is None or not grid.batched or grid.segments is None:
+            return x[:, 0] if self.pool == "cls" else x[:, p:].mean(dim=1)
+        k = grid.images_per_row
+        rows, slots = grid.images.unbind(-1)
+        if self.pool == "cls":
+            return x[:, : k * p : p][rows, slots]  # slot j's class token leads its prefix group
+        b, n, d = x[:, k * p :].shape
+        seg = grid.segments
+        ids = torch.where(seg < 0, b * k, torch.arange(b, device=x.device)[:, None] * k + seg).flatten()
+        sums = x.new_zeros(b * k + 1, d).index_add(0, ids, x[:, k * p :].reshape(b * n, d))
+        counts = torch.bincount(ids, minlength=b * k + 1).clamp(min=1).to(x.dtype)
+        return (sums / counts[:, None])[rows * k + slots]
+
+    def forward(
+        self, x: Union[Tensor, Packed], grid: Optional[Union[PatchGrid, TokenGrid]] = None, patch_size: Optional[int] = None,
+        token_keep: Optional[float] = None,
+    ) -> Tensor:
+        """Logits ``(B, num_classes)`` for images of any size divisible by the patch size (or ``patch_size``), or
+        ``(images, num_classes)`` in input order for a :class:`~vitpe.packing.Packed` batch of mixed sizes."""
+        x, pos = self.embed(x, grid, patch_size, token_keep)
+        # A class-token head reads only the class tokens, and the last block's other outputs feed nothing: compute that
+        # block for the leading tokens up to the last class token alone (same logits and gradients, ~9/12 of it saved).
+        last_cls = (pos.grid.images_per_row - 1) * self.num_prefix_tokens + 1
+        for x in self.run_blocks(x, pos, num_queries=last_cls if self.pool == "cls" else None):
+            pass
+        return self.forward_head(self.norm(x), grid=pos.grid)

@@ -122,20 +122,20 @@ class LearnedPosEmbed(PosEmbed):
         if grid.is_reference:
             return self.table.flatten(2)[0].t()  # (N, dim): exactly the trained table
         if self.antialias:
-            if grid.mode != "interpolate" or grid.affine is not None:
+            if grid.batched or grid.mode != "interpolate" or grid.affine is not None:
                 raise ValueError(
                     "learned.antialias=True resizes the table to the whole grid (timm's resample), which needs plain "
                     f"interpolate-mode coordinates; got coord mode {grid.mode} {'with augmentation' if grid.affine else ''}".rstrip()
                 )
             return F.interpolate(self.table, size=grid.size, mode="bicubic", antialias=True, align_corners=False).flatten(2)[0].t()
         rh, rw = self.ref_grid
-        c = grid.coords.to(self.table.device)
+        c = grid.coords.to(self.table.device)  # (..., N, 2)
         # grid_sample(align_corners=False) puts pixel j's centre at normalised (2j + 1) / size - 1.
-        norm = torch.stack([(2 * c[:, 0] + 1) / rw - 1, (2 * c[:, 1] + 1) / rh - 1], dim=-1)
+        norm = torch.stack([(2 * c[..., 0] + 1) / rw - 1, (2 * c[..., 1] + 1) / rh - 1], dim=-1)
         out = F.grid_sample(
-            self.table, norm.view(1, 1, -1, 2).to(self.table.dtype), mode="bicubic", padding_mode="border", align_corners=False
-        )  # (1, dim, 1, N)
-        return out[0, :, 0].t()
+            self.table, norm.reshape(1, 1, -1, 2).to(self.table.dtype), mode="bicubic", padding_mode="border", align_corners=False
+        )  # (1, dim, 1, *N)
+        return out[0, :, 0].t().reshape(*c.shape[:-1], self.dim)
 
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """timm's ``pos_embed`` (ViT, DeiT, RoPE-ViT "+APE") becomes the table."""

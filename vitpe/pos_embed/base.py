@@ -8,6 +8,10 @@ A PE answers up to four questions about a :class:`~vitpe.coords.PatchGrid`; the 
 - ``rope_angles(grid)``: ``(L|1, heads|1, N, head_dim/2)`` rotation angles for q and k (rotary);
 - ``condition(layer, x, grid)``: a function of the tokens themselves after block ``layer`` (conditional).
 
+The grid is a :class:`~vitpe.coords.PatchGrid` shared by the batch (the shapes above, cached), or a
+:class:`~vitpe.coords.TokenGrid` with coordinates per image ``(B, N, 2)``: then every answer gains a leading batch
+dimension, ``(B, N, dim)``, ``(B, heads, N, N)``, ``(B, L|1, heads|1, N, head_dim/2)``, and nothing is cached.
+
 Every PE also takes the option ``coord_mode`` (``None``: the model's): a part of a combination may read
 its coordinates in its own mode, as RoPE-ViT's "+APE" models interpolate the table and extrapolate RoPE.
 """
@@ -35,7 +39,9 @@ class PosContext:
 
     ``bias`` is ``(heads|1, T, T)`` and ``cos``/``sin`` are ``(L|1, heads|1, T, head_dim/2)`` over all
     ``T = num_prefix + N`` tokens: prefix (cls/register) tokens get zero bias and the identity rotation,
-    so they carry no position and never shift the grid.
+    so they carry no position and never shift the grid. With per-image coordinates they are ``(B, heads, T, T)``
+    and ``(L|1, B, heads|1, T, head_dim/2)``. ``mask`` is what attention adds to its logits: the bias, and for a
+    packed row (images told apart by ``grid.segments``) ``-inf`` between images (a bool mask if there is no bias).
     """
 
     grid: PatchGrid
@@ -47,6 +53,7 @@ class PosContext:
     rot: Optional[Tensor] = None  # cos + i sin, for float32/float64: the faster complex-product rotation
     conditional: Optional["PosEmbed"] = None
     condition_layers: FrozenSet[int] = frozenset()
+    mask: Optional[Tensor] = None
 
     def add_tokens(self, x: Tensor) -> Tensor:
         """``x``: ``(B, N, dim)`` patch tokens (no prefix)."""
@@ -68,6 +75,17 @@ class PosContext:
             return x
         p = self.num_prefix
         return torch.cat([x[:, :p], self.conditional.condition(layer, x[:, p:], self.grid)], dim=1)
+
+
+def _same_image(segments: Tensor, num_prefix: int, images_per_row: int) -> Tensor:
+    """``(B, 1, T, T)`` bool: which tokens of a packed row may attend to which. The row's ``num_prefix`` prefix tokens
+    are ``images_per_row`` groups (one per image slot, in slot order) before the patch tokens, whose slot is
+    ``segments`` ``(B, N)``; padding (slot -1, and prefix groups of empty slots) attends only to padding."""
+    per = num_prefix // images_per_row
+    used = segments.amax(1, keepdim=True) + 1  # (B, 1) images in each row
+    slots = torch.arange(images_per_row, device=segments.device).repeat_interleave(per)[None]  # (1, K * per)
+    ids = torch.cat([torch.where(slots < used, slots, -1), segments], 1)  # (B, T)
+    return (ids[:, :, None] == ids[:, None, :])[:, None]
 
 
 class PosEmbed(nn.Module):
@@ -130,8 +148,10 @@ class PosEmbed(nn.Module):
 
     # ---- caching ---------------------------------------------------------------------------------
     def _cached(self, key: Optional[Hashable], fn: Callable[[], object]) -> object:
-        """``fn()``, remembered under ``key`` (least recently used evicted); ``key=None`` computes afresh."""
-        if key is None:
+        """``fn()``, remembered under ``key`` (least recently used evicted); ``key=None`` computes afresh. Under
+        ``torch.compile`` always afresh: the graph computes the tables itself (they are small next to a block), and a
+        compiled graph cannot see the parameter versions the cache keys on."""
+        if key is None or torch.compiler.is_compiling():
             return fn()
         if key in self._memo_store:
             self._memo_store.move_to_end(key)
@@ -147,6 +167,8 @@ class PosEmbed(nn.Module):
 
     def _param_state(self) -> Optional[tuple]:
         """Identity of the current parameter values, or None if the context must be rebuilt (training)."""
+        if torch.compiler.is_compiling():
+            return None
         params = list(self.parameters())
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             return None  # tables built from trained parameters carry gradients: rebuild once per step
@@ -168,8 +190,15 @@ class PosEmbed(nn.Module):
         if tokens is not None:
             ctx.tokens = tokens.to(dtype)
         if bias is not None:
-            ctx.bias = F.pad(bias, (num_prefix, 0, num_prefix, 0)).to(dtype)  # prefix rows/cols: 0
+            ctx.mask = ctx.bias = F.pad(bias, (num_prefix, 0, num_prefix, 0)).to(dtype)  # prefix rows/cols: 0
+        if grid.batched and grid.segments is not None:
+            same = _same_image(grid.segments, num_prefix, grid.images_per_row)
+            ctx.mask = same if ctx.bias is None else ctx.bias.masked_fill(~same, float("-inf"))
         if angles is not None:
+            if grid.batched:  # (B, [L], [heads], N, P) -> (L, B, heads, N, P): the block picks its layer first
+                while angles.dim() < 5:
+                    angles = angles.unsqueeze(1)
+                angles = angles.transpose(0, 1)
             while angles.dim() < 4:
                 angles = angles.unsqueeze(0)
             angles = F.pad(angles, (0, 0, num_prefix, 0))  # prefix tokens: angle 0, the identity

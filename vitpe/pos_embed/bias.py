@@ -19,7 +19,7 @@ def _offsets_and_index(pe: PosEmbed, grid: PatchGrid) -> Tuple[Tensor, Tensor | 
     """Offsets at which a bias function must be evaluated, and how to spread them over ``(N, N)``.
 
     On a uniform lattice there are only ``(2h-1)(2w-1)`` distinct offsets, gathered by Swin's index;
-    for irregular coordinates every pair is evaluated (``index`` is None).
+    for irregular or per-image coordinates every pair is evaluated (``index`` is None): ``(..., N, N, 2)``.
     """
     if grid.spacing is None:
         return relative_offsets(grid.coords), None
@@ -31,10 +31,10 @@ def _offsets_and_index(pe: PosEmbed, grid: PatchGrid) -> Tuple[Tensor, Tensor | 
 
 
 def _spread(values: Tensor, index: Tensor | None) -> Tensor:
-    """``values``: ``(2h-1, 2w-1, H)`` with an index, or ``(N, N, H)`` without; returns ``(H, N, N)``."""
+    """``values``: ``(2h-1, 2w-1, H)`` with an index, or ``(..., N, N, H)`` without; returns ``(..., H, N, N)``."""
     if index is not None:
         values = values.flatten(0, 1)[index]  # (N, N, H)
-    return values.permute(2, 0, 1)
+    return values.movedim(-1, -3)
 
 
 @register_pos_embed("rel_bias")

@@ -1,7 +1,8 @@
 """The maths of every positional encoding, as pure functions of coordinates.
 
-No state, no modules: each function is testable alone and reusable in any model. Shapes are written
-as ``(N, D)`` etc.; ``coords`` is always ``(N, 2)`` with columns ``(x, y)`` (see ``vitpe.grid_coords``).
+No state, no modules: each function is testable alone and reusable in any model. ``coords`` is ``(..., N, 2)``
+with columns ``(x, y)`` (see ``vitpe.grid_coords``): one grid ``(N, 2)`` shared by a batch, or one per image
+``(B, N, 2)``; every function broadcasts over the leading dimensions, so shapes are written for one grid.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ __all__ = [
 
 
 def sincos_1d(pos: Tensor, dim: int, base: float = 10000.0) -> Tensor:
-    """Transformer sinusoidal encoding (Vaswani et al. 2017): ``(N,) -> (N, dim)``.
+    """Transformer sinusoidal encoding (Vaswani et al. 2017): ``(..., N) -> (..., N, dim)``.
 
     ``PE[p, 2i] = sin(p / base^(2i/dim))``, ``PE[p, 2i+1] = cos(p / base^(2i/dim))``. Because each pair
     is a point on a circle turning at rate ``w_i``, ``PE(p + k)`` is ``PE(p)`` rotated by ``w_i k``.
@@ -39,8 +40,8 @@ def sincos_1d(pos: Tensor, dim: int, base: float = 10000.0) -> Tensor:
     if dim % 2:
         raise ValueError(f"sincos_1d needs an even dim, got {dim}")
     omega = base ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float64) / dim)  # (dim/2,)
-    phase = pos.to(torch.float64)[:, None] * omega[None, :]  # (N, dim/2)
-    out = torch.stack([phase.sin(), phase.cos()], dim=-1).flatten(1)  # interleave: sin, cos, sin, cos
+    phase = pos.to(torch.float64)[..., None] * omega  # (..., N, dim/2)
+    out = torch.stack([phase.sin(), phase.cos()], dim=-1).flatten(-2)  # interleave: sin, cos, sin, cos
     return out.to(pos.dtype if pos.is_floating_point() else torch.float32)
 
 
@@ -52,7 +53,7 @@ def sincos_2d(coords: Tensor, dim: int, base: float = 10000.0) -> Tensor:
     """
     if dim % 4:
         raise ValueError(f"sincos_2d needs dim divisible by 4 (half for x, half for y, sin/cos pairs), got {dim}")
-    return torch.cat([sincos_1d(coords[:, 0], dim // 2, base), sincos_1d(coords[:, 1], dim // 2, base)], dim=-1)
+    return torch.cat([sincos_1d(coords[..., 0], dim // 2, base), sincos_1d(coords[..., 1], dim // 2, base)], dim=-1)
 
 
 def fourier_features(coords: Tensor, freqs: Tensor) -> Tensor:
@@ -123,9 +124,13 @@ def mixed_rope_freqs(head_dim: int, num_heads: int, theta: float = 10.0, generat
 
 
 def rope_angles(coords: Tensor, freqs: Tensor) -> Tensor:
-    """Rotation angles ``x * f_x + y * f_y``: ``(N, 2), (2, ..., P) -> (..., N, P)``."""
-    fx, fy = freqs[0].unsqueeze(-2), freqs[1].unsqueeze(-2)  # (..., 1, P)
-    return coords[:, 0, None] * fx + coords[:, 1, None] * fy
+    """Rotation angles ``x * f_x + y * f_y``: ``(*B, N, 2), (2, *F, P) -> (*B, *F, N, P)``: the frequencies' own
+    dimensions (layers, heads) sit between the coordinates' batch dimensions and the tokens."""
+    fx, fy = freqs[0].unsqueeze(-2), freqs[1].unsqueeze(-2)  # (*F, 1, P)
+    lead, n = coords.shape[:-2], coords.shape[-2]
+    x = coords[..., 0].reshape(*lead, *([1] * (freqs.dim() - 2)), n, 1)
+    y = coords[..., 1].reshape(*lead, *([1] * (freqs.dim() - 2)), n, 1)
+    return x * fx + y * fy
 
 
 def relative_position_index(window: Tuple[int, int] | int) -> Tensor:
@@ -141,8 +146,8 @@ def relative_position_index(window: Tuple[int, int] | int) -> Tensor:
 
 
 def relative_offsets(coords: Tensor) -> Tensor:
-    """All pairwise offsets ``coords[q] - coords[k]``: ``(N, 2) -> (N, N, 2)`` as ``(dx, dy)``."""
-    return coords[:, None, :] - coords[None, :, :]
+    """All pairwise offsets ``coords[q] - coords[k]``: ``(..., N, 2) -> (..., N, N, 2)`` as ``(dx, dy)``."""
+    return coords[..., :, None, :] - coords[..., None, :, :]
 
 
 def lattice_offsets(size: Tuple[int, int], spacing: Tuple[float, float], device=None) -> Tensor:
