@@ -1,7 +1,8 @@
 """vitpe: Vision Transformers and their positional encodings, as functions of continuous patch coordinates."""
 from . import timm_models  # registers vitpe_* architectures with timm.create_model
-from .coords import COORD_MODES, CoordAugment, PatchGrid, grid_coords
+from .coords import COORD_MODES, CoordAugment, PatchGrid, TokenGrid, cell_coords, grid_coords
 from .interop import cpb_from_swinv2, equip_timm_vit, load_timm_state_dict, vit_from_timm
+from .packing import Packed, PackingError, image_patches, pack_images, pack_patches
 from .patch import resize_patch_embed
 from .pos_embed import (
     CombinedPosEmbed,
@@ -26,7 +27,14 @@ __version__ = "0.1.0"
 __all__ = [
     "COORD_MODES",
     "PatchGrid",
+    "TokenGrid",
     "CoordAugment",
+    "cell_coords",
+    "Packed",
+    "PackingError",
+    "pack_images",
+    "pack_patches",
+    "image_patches",
     "resize_patch_embed",
     "grid_coords",
     "PosEmbed",

@@ -95,7 +95,7 @@ class LearnedFourierPosEmbed(PosEmbed):
         self.scale = fourier_dim**-0.5
 
     def tokens(self, grid: PatchGrid) -> Tensor:
-        coords = grid.coords.to(self.freqs.device)
+        coords = grid.coords.to(self.freqs)
         return self.mlp(fourier_features(coords, self.freqs) * self.scale)
 
 

@@ -1,0 +1,147 @@
+"""Coordinates per image: packed mixed-size rows, token dropping and per-image coordinate augmentation, for every PE."""
+import pytest
+import torch
+from conftest import ALL_PE
+
+import vitpe
+from vitpe import TokenGrid, image_patches, pack_images, pack_patches
+
+PES = ALL_PE + ["cpb+rope_axial"]
+SIZES = [(16, 16), (24, 8), (8, 20)]  # three grids: 4x4, 6x2, 2x5 patches around an 4x4 reference
+
+
+def small(pe, **kw):
+    kw = {"img_size": 16, "patch_size": 4, "embed_dim": 32, "depth": 2, "num_heads": 2, "num_classes": 5, "num_reg_tokens": 1,
+          "drop_path_rate": 0.0, "pos_embed": pe, **kw}
+    return vitpe.VisionTransformer(**kw)
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+@pytest.mark.parametrize("pe", PES)
+def test_packed_row_equals_separate_forwards_logits_and_gradients(pe, pool):
+    m = small(pe, pool=pool).double()  # float64: the comparison measures the method, not float32 summation order
+    imgs = [torch.randn(3, h, w, dtype=torch.float64) for h, w in SIZES]
+    w = torch.randn(len(imgs), 5, dtype=torch.float64)
+    sep = torch.cat([m(i[None]) for i in imgs])
+    (sep * w).sum().backward()
+    g_sep = grads(m)
+    m.zero_grad()
+    packed = pack_images(imgs, 4, 40)  # 16 + 12 + 10 = 38 tokens: one row, two padding tokens
+    assert packed.patches.shape[0] == 1 and packed.num_tokens == 38
+    out = m(packed)
+    torch.testing.assert_close(out, sep, atol=1e-5, rtol=1e-5)
+    (out * w).sum().backward()
+    g_pack = grads(m)
+    assert g_pack.keys() == g_sep.keys()
+    for n in g_sep:
+        torch.testing.assert_close(g_pack[n], g_sep[n], atol=1e-5, rtol=1e-5, msg=lambda s, n=n: f"{pe} grad {n}: {s}")
+
+
+@pytest.mark.parametrize("pe", PES)
+def test_perturbing_one_packed_image_leaves_the_others_unchanged(pe):
+    m = small(pe).eval()
+    imgs = [torch.randn(3, h, w) for h, w in SIZES]
+    base = m(pack_images(imgs, 4, 64))
+    imgs[1] = imgs[1] + 3 * torch.randn_like(imgs[1])
+    moved = m(pack_images(imgs, 4, 64))
+    torch.testing.assert_close(moved[[0, 2]], base[[0, 2]], atol=1e-6, rtol=0)  # no leakage via attention, bias or PEG
+    assert (moved[1] - base[1]).abs().max() > 1e-3
+
+
+def test_packing_fills_rows_first_fit_and_keeps_input_order():
+    imgs = [torch.randn(1, 8 * a, 4) for a in (3, 1, 2, 2)]  # 6, 2, 4, 4 tokens at patch 4
+    p = pack_images(imgs, 4, 8)
+    assert p.patches.shape == (2, 8, 16)
+    assert p.grid.images.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]] and p.grid.images_per_row == 2
+    assert p.grid.segments.tolist() == [[0] * 6 + [1] * 2, [0] * 4 + [1] * 4]
+    torch.testing.assert_close(p.patches[0, :6], image_patches(imgs[0], 4))
+
+
+@pytest.mark.parametrize("pe", PES)
+def test_token_dropped_forward_equals_a_forward_given_exactly_those_tokens(pe):
+    m = small(pe).eval()
+    x = torch.randn(3, 3, 16, 16)
+    kept = TokenGrid.from_grid(m.patch_grid((4, 4), x.device), 3).keep_random(0.5, torch.Generator().manual_seed(1))
+    assert kept.coords.shape == (3, 8, 2) and len({tuple(c) for c in kept.cells.flatten(1).tolist()}) == 3  # per-image subsets
+    dropped = m(x, grid=kept)
+    for b in range(3):  # image b alone, given only its kept patches and their cells
+        alone = pack_patches([(image_patches(x[b], 4)[kept.cells[b, :, 1] * 4 + kept.cells[b, :, 0]], kept.cells[b], (4, 4))], 8, 4)
+        torch.testing.assert_close(dropped[b : b + 1], m(alone), atol=1e-5, rtol=1e-5)
+    torch.manual_seed(3)
+    a = m(x, token_keep=0.5)
+    torch.manual_seed(3)
+    again = m(x, grid=TokenGrid.from_grid(m.patch_grid((4, 4), x.device), 3).keep_random(0.5))
+    torch.testing.assert_close(a, again, atol=0, rtol=0)
+
+
+def test_peg_scatters_dropped_tokens_onto_a_zero_grid():
+    pe = vitpe.build_pos_embed("peg", dim=8, num_heads=2, ref_grid=4)
+    full = TokenGrid.from_grid(vitpe.PatchGrid.create((4, 4)), 2)
+    kept = full.keep_random(0.5, torch.Generator().manual_seed(0))
+    x = torch.randn(2, 8, 8)
+    canvas = torch.zeros(2, 16, 8)
+    index = kept.cells[..., 1] * 4 + kept.cells[..., 0]
+    canvas.scatter_(1, index[..., None].expand(-1, -1, 8), x)
+    expect = pe.condition(0, canvas, vitpe.PatchGrid.create((4, 4))).gather(1, index[..., None].expand(-1, -1, 8)) - canvas.gather(
+        1, index[..., None].expand(-1, -1, 8)) + x
+    torch.testing.assert_close(pe.condition(0, x, kept), expect, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="peg convolves over the token grid"):
+        pe.condition(0, x, TokenGrid.from_coords(kept.coords, 4))
+
+
+@pytest.mark.parametrize("pe", PES)
+def test_per_image_augmentation_of_magnitude_zero_equals_the_shared_grid(pe):
+    m = small(pe).eval()
+    x = torch.randn(4, 3, 16, 16)
+    shared = m.patch_grid((4, 4), x.device)
+    per_image = TokenGrid.from_grid(shared, 4).augmented(torch.tensor([[1.0, 1.0, 0.0, 0.0]]).expand(4, -1))
+    assert torch.equal(per_image.coords, shared.coords.expand(4, -1, -1))  # the identity gives the grid back bit for bit
+    torch.testing.assert_close(m(x, grid=per_image), m(x), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("pe", PES)
+def test_per_image_augmentation_draws_per_image_for_every_family(pe):
+    m = small(pe, coord_aug={"shift": 1.0, "rescale": 1.5, "jitter": 1.2}).train()
+    x = torch.randn(4, 3, 16, 16)
+    _, pos = m.embed(x)
+    assert pos.grid.batched and pos.grid.coords.shape == (4, 16, 2)
+    assert len({tuple(a) for a in pos.grid.affine[:, 0].tolist()}) == 4  # four images, four draws
+    m(x).sum().backward()  # every family trains on per-image coordinates
+    aug = vitpe.CoordAugment(shift=2.0, rescale=1.3)
+    packed = pack_images([torch.randn(3, h, w) for h, w in SIZES], 4, 40)
+    g = aug(packed.grid.rebased((4, 4), "interpolate"))
+    per_token = g.affine[0, :38]
+    assert len({tuple(a) for a in per_token.tolist()}) == 3  # one draw per packed image, shared by its tokens
+
+
+def test_shared_grid_keeps_one_shared_bias_per_image_grids_one_each():
+    m = small("rel_bias").eval()
+    x = torch.randn(2, 3, 16, 16)
+    _, shared = m.embed(x)
+    _, per_image = m.embed(x, grid=TokenGrid.from_grid(m.patch_grid((4, 4), x.device), 2))
+    assert shared.bias.shape == (2, 18, 18) and per_image.bias.shape == (2, 2, 18, 18)  # 16 patches + class + register
+
+
+def test_per_image_coordinate_and_packing_errors():
+    m = small("sincos2d").eval()
+    x = torch.randn(2, 3, 16, 16)
+    with pytest.raises(ValueError, match=r"must have shape \(B, N, 2\)"):
+        TokenGrid.from_coords(torch.randn(16, 2), 4)
+    with pytest.raises(ValueError, match="give 9 tokens per image, the input has 4x4 patches"):
+        m(x, grid=TokenGrid.from_coords(torch.randn(2, 9, 2), 4))
+    with pytest.raises(ValueError, match="for 3 images, the batch has 2"):
+        m(x, grid=TokenGrid.from_coords(torch.randn(3, 16, 2), 4))
+    with pytest.raises(vitpe.PackingError, match="max_tokens must be a positive"):
+        pack_images([torch.randn(3, 8, 8)], 4, 0)
+    with pytest.raises(vitpe.PackingError, match=r"image 1 has 24 patch tokens .* more than the budget of max_tokens=16"):
+        pack_images([torch.randn(3, 8, 8), torch.randn(3, 16, 24)], 4, 16)
+    with pytest.raises(vitpe.PackingError, match="not a multiple of patch_size 4; resize it, e.g. to 12x8"):
+        pack_images([torch.randn(3, 13, 8)], 4, 16)
+    with pytest.raises(ValueError, match="token_keep must be in"):
+        m(x, token_keep=0.0)
+    with pytest.raises(ValueError, match="output_fmt='NLC'"):
+        m.forward_intermediates(pack_images([torch.randn(3, 8, 8)], 4, 16))
