@@ -237,3 +237,29 @@ def test_policy_augmentations_run_on_batches(kind, chans):
     torch.manual_seed(0)
     b = BatchAugment(kind)(x)
     assert a.shape == x.shape and a.dtype == torch.uint8 and torch.equal(a, b) and not torch.equal(a, x)
+
+
+def test_imagefolder_keeps_each_images_aspect_ratio_for_mixed_size_batches(tmp_path):
+    from vitpe.data.mixed import draw_sizes, mixed_batch, native_sizes
+
+    write_images(tmp_path / "w", per_class=3, size=(20, 40))  # wide: w/h = 2
+    write_images(tmp_path / "t" / "cat", classes=("a",), per_class=3, size=(45, 15))  # tall: w/h = 1/3
+    ds = load_dataset(f"imagefolder:{tmp_path / 'w'}", image_size=(16, 16))
+    aspects = ds.aspects(True)
+    assert aspects is not None and torch.allclose(aspects, torch.full_like(aspects, 2.0), atol=0.1)
+    sizes = native_sizes(aspects, 16, 4)
+    assert set(sizes) == {(12, 24)}  # the area of 16x16 at aspect 2, in whole patches
+    x = ds.images_at(True, torch.tensor([0, 1]), (12, 24))
+    assert x.shape == (2, 3, 12, 24) and x.dtype == torch.uint8
+    torch.manual_seed(0)
+    drawn = draw_sizes(50, [8, 16, 24], 4, aspects[:1].expand(50))
+    assert all(w > h for h, w in drawn) and len(set(drawn)) == 3  # every scale, always the image's own shape
+    packed = mixed_batch(ds, True, torch.arange(4), sizes[:4], 4, 64)
+    assert packed.num_images == 4 and packed.num_tokens == 4 * 18
+    assert load_dataset("shapes", train_size=8, test_size=8).aspects(True) is None
+
+
+def test_shapes_render_subsets_at_any_size_and_aspect():
+    ds = load_dataset("shapes", train_size=16, test_size=8)
+    full = ds.split(True, (24, 40))[0]
+    assert torch.equal(ds.images_at(True, torch.tensor([3, 7]), (24, 40)), full[[3, 7]])

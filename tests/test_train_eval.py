@@ -259,3 +259,44 @@ def test_full_recipe_mixup_cutmix_ema_trivialaugment(tmp_path):
     assert state["ema"] is not None and state["ema"].keys() == state["model"].keys()
     assert any(not torch.equal(state["ema"][k], state["model"][k]) for k in state["model"])  # EMA trails the weights
     assert eval_script.main([str(tmp_path / "recipe"), "--resolutions", "16", "--out", str(tmp_path / "e")]) == 0
+
+
+def test_token_dropping_and_packed_mixed_size_training_run_and_resume(tmp_path):
+    assert train(tmp_path, "drop", "--set", "train.token_keep=0.5", "--pe", "learned+peg") == 0
+    rows = [json.loads(line) for line in (tmp_path / "drop" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(0 <= r["test_top1"] <= 1 for r in rows)
+    mixed = ["--set", "train.max_tokens=48", "--set", "train.resolution_range=[8, 24]", "--set", "train.token_keep=0.75",
+             "--set", "model.coord_aug={shift: 0.5}", "--pe", "rope_mixed+rel_bias"]
+    assert train(tmp_path, "pack", *mixed) == 0
+    # Interrupted after update 5 and resumed: the same weights as the uninterrupted run (sizes, drops, packing repeat).
+    import signal as signal_module
+
+    handle = signal_after_update("SIGINT", 5)
+    try:
+        assert train(tmp_path, "cut", *mixed) == 128 + signal_module.SIGINT
+    finally:
+        handle.remove()
+    assert train_script.main(["--resume", str(tmp_path / "cut")]) == 0
+    assert_same_weights(weights(tmp_path / "cut"), weights(tmp_path / "pack"))
+    cfg = load_checkpoint(tmp_path / "pack")["config"]
+    assert cfg["train"]["max_tokens"] == 48 and cfg["train"]["token_keep"] == 0.75
+
+
+def test_packed_training_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.max_tokens=20 is smaller than one image: the largest training size 24x24 has 36 patch tokens"):
+        train(tmp_path, "x", "--set", "train.max_tokens=20", "--set", "train.resolution_range=[8, 24]")
+    with pytest.raises(ConfigError, match=r"train.token_keep=0.0 is out of range"):
+        train(tmp_path, "x", "--set", "train.token_keep=0")
+    with pytest.raises(ConfigError, match="mixup/cutmix blend images of one size"):
+        train(tmp_path, "x", "--set", "train.max_tokens=64", "--set", "data.mixup=0.8")
+
+
+def test_eval_at_native_aspect_ratio(tiny_run, tmp_path, capsys):
+    assert eval_script.main([str(tiny_run), "--resolutions", "16", "--native", "--out", str(tmp_path / "e")]) == 0
+    rows = json.loads((tmp_path / "e" / "results.json").read_text())
+    native = [r for r in rows if r["resolution"] == "native"]
+    fixed = [r for r in rows if r["resolution"] == "16"]
+    assert len(native) == 1 and native[0]["tokens_per_image"] == 16
+    # shapes is square: its native aspect ratio at the training area is the training size, packed or not
+    assert abs(native[0]["top1"] - fixed[0]["top1"]) <= 1.5 / fixed[0]["n"]
+    assert "native" in capsys.readouterr().out

@@ -84,6 +84,8 @@ class TrainConfig:
     eval_batch_size: int = 512
     resolutions: Optional[List[int]] = None  # multi-resolution training: a size drawn per batch from this set
     resolution_range: Optional[List[int]] = None  # ... or from every multiple of the patch size in [lo, hi]
+    token_keep: float = 1.0  # keep this fraction of each image's patch tokens while training, a random subset per image (FLIP)
+    max_tokens: Optional[int] = None  # pack images of mixed sizes and aspect ratios into rows of this many patch tokens (NaViT)
     time_limit_min: Optional[float] = None  # stop cleanly (with a checkpoint) after this many minutes
     dist_timeout_s: float = 600.0  # torchrun: a rank that does not answer for this long stops the run with a message
 
@@ -186,7 +188,8 @@ def _validate(cfg: Config) -> None:
         ("train.weight_decay", t.weight_decay, 0, None, True, True), ("train.warmup_epochs", t.warmup_epochs, 0, None, True, True),
         ("train.label_smoothing", t.label_smoothing, 0, 1, True, False), ("train.grad_clip", t.grad_clip, 0, None, True, True),
         ("train.ema_decay", t.ema_decay, 0, 1, True, False), ("train.eval_batch_size", t.eval_batch_size, 1, None, True, True),
-        ("train.time_limit_min", t.time_limit_min, 0, None, False, True), ("train.dist_timeout_s", t.dist_timeout_s, 0, None, False, True),
+        ("train.time_limit_min", t.time_limit_min, 0, None, False, True), ("train.token_keep", t.token_keep, 0, 1, False, True),
+        ("train.max_tokens", t.max_tokens, 1, None, True, True), ("train.dist_timeout_s", t.dist_timeout_s, 0, None, False, True),
     ]
     for key, value, lo, hi, lo_in, hi_in in ranges:
         if value is None:
@@ -209,6 +212,15 @@ def _validate(cfg: Config) -> None:
     rng = cfg.train.resolution_range
     if rng is not None and (len(rng) != 2 or rng[0] > rng[1] or not train_resolutions(cfg)):
         raise ConfigError(f"train.resolution_range must be [lo, hi] containing a multiple of model.patch_size={p}, got {rng}")
+    if t.max_tokens is not None:
+        largest = max(train_resolutions(cfg))
+        need = (largest // p) ** 2
+        if t.max_tokens < need:
+            raise ConfigError(f"train.max_tokens={t.max_tokens} is smaller than one image: the largest training size {largest}x{largest} "
+                              f"has {need} patch tokens; raise train.max_tokens to at least {need} (or train at smaller sizes)")
+        if d.mixup > 0 or d.cutmix > 0:
+            raise ConfigError("mixup/cutmix blend images of one size; packed mixed-size training (train.max_tokens) cannot: "
+                              "set data.mixup=0 and data.cutmix=0, or drop train.max_tokens")
     aug_keys = [f.name for f in dataclasses.fields(CoordAugment)]
     unknown = set(cfg.model.coord_aug) - set(aug_keys)
     if unknown:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar, List, Literal, Optional, Sequence, Tuple, Union
+from typing import ClassVar, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .data.augment import normalize
 
-__all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "evaluate"]
+__all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "Scores", "evaluate", "evaluate_native"]
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -51,6 +51,37 @@ def seed_step(*parts: int) -> None:
     torch.manual_seed(s)
 
 
+class Scores:
+    """Running top-1, top-5, summed cross-entropy and per-class hits over batches of logits: one scoring rule for every
+    way of evaluating (fixed size, patch resize, packed native aspect ratio)."""
+
+    def __init__(self) -> None:
+        self.n, self.loss, self.top1, self.top5 = 0, 0.0, 0, 0
+        self.hits: Optional[Tensor] = None
+        self.seen: Optional[Tensor] = None
+        self.classes = 0
+
+    def add(self, logits: Tensor, y: Tensor) -> None:
+        logits = logits.float()
+        self.loss += F.cross_entropy(logits, y, reduction="sum").item()
+        self.classes = c = logits.shape[1]
+        topk = logits.topk(min(5, c), dim=1).indices
+        self.top1 += (topk[:, 0] == y).sum().item()
+        self.top5 += (topk == y[:, None]).any(1).sum().item()
+        h = torch.bincount(y[topk[:, 0] == y], minlength=c).cpu()
+        t = torch.bincount(y, minlength=c).cpu()
+        self.hits, self.seen = (h, t) if self.hits is None else (self.hits + h, self.seen + t)
+        self.n += len(y)
+
+    def result(self) -> Dict[str, float]:
+        n = max(self.n, 1)
+        out = {"top1": self.top1 / n, "loss": self.loss / n, "n": self.n}
+        if self.classes > 5:
+            out["top5"] = self.top5 / n
+        out["per_class_top1"] = (self.hits / self.seen.clamp_min(1)).tolist()
+        return out
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -73,29 +104,47 @@ def evaluate(
 
     was_training = model.training
     model.eval()
-    n, loss, top1, top5 = 0, 0.0, 0, 0
-    hits = seen = None  # per-class counts
-    batches = range(0, len(labels), batch_size)
-    for s in tqdm(batches, desc=desc, leave=False, disable=not progress):
-        x = images[s : s + batch_size]
-        x = normalize(x.to(device, non_blocking=True), mean, std)
-        y = labels[s : s + batch_size].to(device)
+    scores = Scores()
+    for s in tqdm(range(0, len(labels), batch_size), desc=desc, leave=False, disable=not progress):
+        x = normalize(images[s : s + batch_size].to(device, non_blocking=True), mean, std)
         with autocast(device, dtype):
             logits = model(x) if patch_size is None else model(x, patch_size=patch_size)
-        logits = logits.float()
-        loss += F.cross_entropy(logits, y, reduction="sum").item()
-        k = min(5, logits.shape[1])
-        topk = logits.topk(k, dim=1).indices
-        top1 += (topk[:, 0] == y).sum().item()
-        top5 += (topk == y[:, None]).any(1).sum().item()
-        c = logits.shape[1]
-        h = torch.bincount(y[topk[:, 0] == y], minlength=c).cpu()
-        t = torch.bincount(y, minlength=c).cpu()
-        hits, seen = (h, t) if hits is None else (hits + h, seen + t)
-        n += len(y)
+        scores.add(logits, labels[s : s + batch_size].to(device))
     model.train(was_training)
-    out = {"top1": top1 / max(n, 1), "loss": loss / max(n, 1), "n": n}
-    if logits.shape[1] > 5:
-        out["top5"] = top5 / max(n, 1)
-    out["per_class_top1"] = (hits / seen.clamp_min(1)).tolist()
-    return out
+    return scores.result()
+
+
+@torch.no_grad()
+def evaluate_native(
+    model: nn.Module,
+    ds,
+    side: int,
+    batch_size: int = 512,
+    device: torch.device = torch.device("cpu"),
+    dtype: Optional[torch.dtype] = None,
+    progress: bool = False,
+    desc: str = "eval native",
+) -> Dict[str, float]:
+    """:func:`evaluate` with every test image at its own aspect ratio (``ds.aspects``; square when the dataset has
+    none) and the area of a ``side x side`` image, packed (a vitpe ViT; NaViT's evaluation). Also returns the mean
+    patch tokens per image."""
+    from tqdm import tqdm
+
+    from .data.mixed import mixed_batch, native_sizes
+
+    labels = ds.split(False)[1]
+    aspects = ds.aspects(False)
+    p = model.patch_size
+    sizes = native_sizes(aspects if aspects is not None else torch.ones(len(labels)), side, p)
+    budget = max(max(h * w for h, w in sizes) // p**2, 4 * (side // p) ** 2)  # rows of several images, none too large
+    was_training = model.training
+    model.eval()
+    scores = Scores()
+    for s in tqdm(range(0, len(labels), batch_size), desc=desc, leave=False, disable=not progress):
+        index = torch.arange(s, min(s + batch_size, len(labels)))
+        x = mixed_batch(ds, False, index, sizes[s : s + batch_size], p, budget).to(device)
+        with autocast(device, dtype):
+            logits = model(x)
+        scores.add(logits, labels[index].to(device))
+    model.train(was_training)
+    return {**scores.result(), "tokens_per_image": sum(h * w for h, w in sizes) / p**2 / max(len(sizes), 1)}

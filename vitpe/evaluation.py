@@ -4,6 +4,7 @@
     python eval.py runs/A runs/B --resolutions 16 32 48 64 128         # compare runs on one table and plot
     python eval.py runs/A --resolutions 32x48 --coord-mode both       # non-square; both coordinate modes
     python eval.py runs/A --resolutions 32 64 128 --route both         # new grid, or FlexiViT's resized patches
+    python eval.py runs/A --native                                     # also every image at its own aspect ratio
 
 The model is rebuilt from the checkpoint alone. ``shapes`` is rendered natively at each resolution;
 other data is resized (antialiased). Results go to RUN/eval-TIMESTAMP/ (or --out): results.json,
@@ -25,7 +26,7 @@ from vitpe.checkpoint import checkpoint_config, model_from_checkpoint
 from vitpe.config import Config, ConfigError
 from vitpe.coords import COORD_MODES, snap
 from vitpe.data import load_dataset
-from vitpe.engine import amp_dtype, evaluate, resolve_device
+from vitpe.engine import amp_dtype, evaluate, evaluate_native, resolve_device
 from vitpe.errors import run_cli
 from vitpe.runs import write_csv
 
@@ -66,6 +67,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--route", choices=["coords", "patch", "both"], default="coords",
                    help="meet a new resolution with new coordinates on a new token grid (coords), or by resizing the "
                         "patch embedding to keep the trained grid (patch: FlexiViT's PI-resize)")
+    p.add_argument("--native", action="store_true",
+                   help="also evaluate every test image at its own aspect ratio with the training size's area, packed "
+                        "(NaViT; an image folder keeps each file's aspect ratio, other datasets are square)")
     p.add_argument("--batch-size", type=positive_int, default=256)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights even if the run kept an EMA")
@@ -99,21 +103,26 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
                 batch_size: int = 256, desc: str = "") -> Iterator[Dict]:
     """``model`` on ``ds``'s test split for each ``(coord_mode, route, (h, w))`` of ``plan``: route ``"coords"`` meets
     the size with new coordinates on a new token grid, ``"patch"`` with FlexiViT's resized patch embedding on the
-    trained grid. Yields one row per entry (top-1, top-5, loss, per-class top-1, n, seconds) as it finishes."""
+    trained grid, ``"native"`` gives every image its own aspect ratio at the area of ``h x w``, packed. Yields one row
+    per entry (top-1, top-5, loss, per-class top-1, n, seconds) as it finishes."""
     ref_h = model.ref_grid[0]
     for mode, route, (h, w) in plan:
         model.coord_mode = mode
-        images, labels = ds.split(False, (h, w))
         t0 = time.time()
-        res = evaluate(model, images, labels, ds.mean, ds.std, batch_size, device, dtype, progress=sys.stderr.isatty(),
-                       desc=f"{desc} @ {h}x{w}", patch_size=h // ref_h if route == "patch" else None)
-        yield {"coord_mode": mode, "route": route, "resolution": f"{h}x{w}" if h != w else str(h), "height": h, "width": w,
-               **res, "seconds": round(time.time() - t0, 2)}
+        if route == "native":
+            res = evaluate_native(model, ds, h, batch_size, device, dtype, progress=sys.stderr.isatty(), desc=f"{desc} @ native")
+        else:
+            images, labels = ds.split(False, (h, w))
+            res = evaluate(model, images, labels, ds.mean, ds.std, batch_size, device, dtype, progress=sys.stderr.isatty(),
+                           desc=f"{desc} @ {h}x{w}", patch_size=h // ref_h if route == "patch" else None)
+        name = "native" if route == "native" else f"{h}x{w}" if h != w else str(h)
+        yield {"coord_mode": mode, "route": route, "resolution": name, "height": h, "width": w, **res, "seconds": round(time.time() - t0, 2)}
 
 
 def plot(rows: List[Dict], path: Path, title: str) -> None:
     from vitpe.viz import finish_plot, pyplot
 
+    rows = [r for r in rows if r["route"] != "native"]  # no one size: the table reports it
     fig, ax = pyplot().subplots(figsize=(7, 4.5), dpi=120)
     labels = list(dict.fromkeys(r["label"] for r in rows))
     colours = pyplot().get_cmap("tab20").colors if len(labels) > 10 else [f"C{i}" for i in range(10)]  # distinct past 10 lines
@@ -166,7 +175,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             label += " (patch resize)" if route == "patch" else ""
             if any(r["label"] == label and r["run"] != str(ckpt) for r in rows):
                 label = f"{label} [{Path(ckpt).name}]"
-            for row in evaluate_at(model, ds, [(mode, route, hw) for hw in resolutions], device, dtype, args.batch_size, label):
+            plan = [(mode, route, hw) for hw in resolutions] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
+            for row in evaluate_at(model, ds, plan, device, dtype, args.batch_size, label):
                 rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": name,
                              "train_size": train_size, "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
 

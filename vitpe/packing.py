@@ -7,7 +7,6 @@ attend only within their own image, and pools per image: a packed image gets the
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 

@@ -31,6 +31,7 @@ from vitpe.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, 
 from vitpe.config import Config, ConfigError, apply_overrides, config_from_dict, load_config, save_config, train_resolutions
 from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, normalize
+from vitpe.data.mixed import draw_sizes, mixed_batch
 from vitpe.engine import amp_dtype, autocast, evaluate, resolve_device, seed_step
 from vitpe.errors import VitpeError, run_cli
 from vitpe.runs import RunError, RunLock, create_run_dir, safe_name, write_metrics  # noqa: F401 (safe_name: public name)
@@ -176,7 +177,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     test_x, test_y = ds.split(False, size)
     # Multi-resolution training: shapes is rendered natively at each size once; other data is resized per batch.
     sizes = train_resolutions(cfg)
-    train_at = {s: ds.split(True, (s, s))[0] if ds.renders_natively else train_x for s in sizes}
+    packed = cfg.train.max_tokens is not None  # mixed sizes: each batch renders or resizes its own images (Job.batch)
+    train_at = {} if packed else {s: ds.split(True, (s, s))[0] if ds.renders_natively else train_x for s in sizes}
     augment = BatchAugment(cfg.data.augment, flip=ds.flip_ok)
     steps_per_epoch = len(train_y) // cfg.train.batch_size
     if steps_per_epoch == 0:
@@ -335,6 +337,14 @@ class Job:
         local = cfg.train.batch_size // self.world
         seed_step(cfg.train.seed, self.epoch, self.step)  # same on every rank: the global batch is augmented identically
         idx = perm[self.step * cfg.train.batch_size : (self.step + 1) * cfg.train.batch_size]
+        if cfg.train.max_tokens is not None:  # NaViT: every image at its own size and aspect ratio, packed
+            sizes = draw_sizes(len(idx), self.sizes, self.model.patch_size, self.ds.aspects(True))
+            mine = slice(rank * local, (rank + 1) * local)
+            x = mixed_batch(self.ds, True, idx[mine], sizes[mine], self.model.patch_size, cfg.train.max_tokens, self.augment,
+                            cfg.train.token_keep).to(self.device, non_blocking=True)
+            y = self.train_y[idx][mine].to(self.device, non_blocking=True)
+            seed_step(cfg.train.seed, self.epoch, self.step, rank)
+            return x, y, y
         res = self.sizes[torch.randint(len(self.sizes), ()).item()] if len(self.sizes) > 1 else self.sizes[0]
         x = self.train_at[res][idx]
         x = x if x.shape[-1] == res else resize_images(x, (res, res))
@@ -346,8 +356,9 @@ class Job:
 
     def update(self, net: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, progress: Optional[Progress]) -> Tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on a batch; the step counter, schedule and EMA advance with it. Returns (loss, logits)."""
+        keep = self.cfg.train.token_keep
         with autocast(self.device, self.dtype):
-            logits = net(x)
+            logits = net(x) if keep == 1 or self.cfg.train.max_tokens is not None else net(x, token_keep=keep)  # packing drops its own
             loss = self.criterion(logits.float(), target)
         self.optimizer.zero_grad(set_to_none=True)
         if progress is not None:
@@ -403,7 +414,9 @@ def train_loop(job: Job) -> int:
     log(f"run {run}: {cfg.data.name} ({len(job.train_y)} train / {len(job.test_x)} test, {job.ds.num_classes} classes), "
         f"ViT {n_params / 1e6:.2f}M params, pe={cfg.model.pos_embed}, {job.device}{f' x{world}' if distributed else ''}, "
         f"amp={job.dtype}, {cfg.train.epochs} epochs x {job.steps_per_epoch} steps"
-        + (f", resolutions {job.sizes}" if len(job.sizes) > 1 else ""))
+        + (f", resolutions {job.sizes}" if len(job.sizes) > 1 else "")
+        + (f", mixed sizes packed into rows of {cfg.train.max_tokens} tokens" if cfg.train.max_tokens else "")
+        + (f", keeping {cfg.train.token_keep:g} of each image's tokens" if cfg.train.token_keep < 1 else ""))
 
     started = time.time()
     progress = Progress(job.rank, world) if distributed else None

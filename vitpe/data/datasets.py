@@ -57,6 +57,8 @@ class ImageDataset:
     renders_natively: bool
     _load: Callable[[bool, Tuple[int, int]], Tuple[Tensor, Tensor]] = field(repr=False, default=None)
     _cache: Dict = field(repr=False, default_factory=dict)
+    _pick: Optional[Callable[[bool, Tensor, Tuple[int, int]], Tensor]] = field(repr=False, default=None)
+    _aspects: Dict[bool, Tensor] = field(repr=False, default_factory=dict)
 
     @property
     def num_classes(self) -> int:
@@ -75,6 +77,18 @@ class ImageDataset:
                 self._cache[key] = (resize_images(native[0], size), native[1])
         return self._cache[key]
 
+    def images_at(self, train: bool, index: Tensor, size: Tuple[int, int]) -> Tensor:
+        """Samples ``index`` of a split at ``size = (h, w)``, uint8 ``(n, C, h, w)``: shapes renders them there, an image
+        folder resizes each from its own copy (its aspect ratio kept), the rest resize the stored split."""
+        if self._pick is not None:
+            return self._pick(train, index, tuple(size))
+        return resize_images(self.split(train)[0][index], tuple(size))
+
+    def aspects(self, train: bool) -> Optional[Tensor]:
+        """Width / height of each sample of a split as it was on disk, when they differ (an image folder); None when
+        every sample has the dataset's native size."""
+        return self._aspects.get(train)
+
     def describe(self) -> Dict:
         return {"name": self.name, "classes": list(self.classes), "in_chans": self.in_chans, "native_size": list(self.native_size),
                 "mean": list(self.mean), "std": list(self.std)}
@@ -89,13 +103,19 @@ def _shapes(data_dir: Path, train_size: Optional[int], test_size: Optional[int])
     sizes = {True: train_size or 20000, False: test_size or 5000}
     params = {}
 
-    def load(train: bool, size: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
+    def params_of(train: bool) -> dict:
         if train not in params:  # fixed seeds: every run and every resolution sees the same samples
             params[train] = shapes_params(sizes[train], seed=0 if train else 1)
-        p = params[train]
+        return params[train]
+
+    def load(train: bool, size: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
+        p = params_of(train)
         return render_shapes(p, size), p["label"].clone()
 
-    return ImageDataset("shapes", SHAPES_CLASSES, 3, (32, 32), (0.5, 0.5, 0.5), (0.28, 0.28, 0.28), False, True, load)
+    def pick(train: bool, index: Tensor, size: Tuple[int, int]) -> Tensor:
+        return render_shapes({k: v[index] for k, v in params_of(train).items()}, size)
+
+    return ImageDataset("shapes", SHAPES_CLASSES, 3, (32, 32), (0.5, 0.5, 0.5), (0.28, 0.28, 0.28), False, True, load, _pick=pick)
 
 
 # ---- Fashion-MNIST ---------------------------------------------------------------------------------
@@ -223,7 +243,8 @@ def _to_rgb(im, path: str):
 
 def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int], size: Tuple[int, int] = (32, 32)) -> ImageDataset:
     """Class-per-folder images. ``root/train`` and ``root/test`` (or ``val``) if present, else a fixed
-    90/10 split of ``root``. Images are decoded once, converted to RGB and resized to ``size``."""
+    90/10 split of ``root``. Images are decoded once, converted to RGB and resized to ``size``; each also keeps a copy
+    of ``size``'s area at its own aspect ratio, for training and evaluation at native aspect ratio (packed)."""
     from PIL import Image, UnidentifiedImageError
     from torchvision.datasets import ImageFolder
     from torchvision.transforms.functional import pil_to_tensor
@@ -233,36 +254,49 @@ def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int]
     test_dir = next((root / d for d in ("test", "val") if (root / d).is_dir()), None)
     has_split = (root / "train").is_dir() and test_dir is not None
 
-    def read(folder: Path) -> Tuple[Tensor, Tensor, List[str]]:
+    area = size[0] * size[1]
+
+    def read(folder: Path) -> Tuple[Tensor, Tensor, List[str], List[Tensor]]:
         try:
             ds = ImageFolder(str(folder))
         except (FileNotFoundError, RuntimeError) as e:
             raise DataError(f"imagefolder {folder}: {e}") from None
-        xs = []
+        xs, own = [], []
         for path, _ in ds.samples:
             try:
                 with Image.open(path) as im:
-                    xs.append(pil_to_tensor(_to_rgb(im, path).resize(size[::-1], Image.BICUBIC)))
+                    rgb = _to_rgb(im, path)
+                    a = rgb.width / rgb.height
+                    xs.append(pil_to_tensor(rgb.resize(size[::-1], Image.BICUBIC)))
+                    own.append(pil_to_tensor(rgb.resize((max(1, round((area * a) ** 0.5)), max(1, round((area / a) ** 0.5))), Image.BICUBIC)))
             except Image.DecompressionBombError as e:
                 raise DataError(f"image {path} is too large to decode safely ({e}); shrink it, or raise PIL.Image.MAX_IMAGE_PIXELS") from None
             except (UnidentifiedImageError, OSError) as e:
                 raise DataError(f"cannot read image {path} ({e}); remove or replace it") from None
-        return torch.stack(xs), torch.tensor(ds.targets, dtype=torch.long), ds.classes
+        return torch.stack(xs), torch.tensor(ds.targets, dtype=torch.long), ds.classes, own
 
     if has_split:
-        xtr, ytr, classes = read(root / "train")
-        xte, yte, classes_te = read(test_dir)
+        xtr, ytr, classes, otr = read(root / "train")
+        xte, yte, classes_te, ote = read(test_dir)
         if classes_te != classes:
             raise DataError(f"imagefolder {root}: train and {test_dir.name} have different class folders")
     else:
-        x, y, classes = read(root)
+        x, y, classes, own = read(root)
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
         n_test = max(1, len(y) // 10)
         xte, yte, xtr, ytr = x[order[:n_test]], y[order[:n_test]], x[order[n_test:]], y[order[n_test:]]
+        ote, otr = [own[i] for i in order[:n_test]], [own[i] for i in order[n_test:]]
     splits = {True: _subset(xtr, ytr, train_size), False: _subset(xte, yte, test_size)}
+    natives = {True: otr[: len(splits[True][1])], False: ote[: len(splits[False][1])]}
     mean = tuple((splits[True][0].float().mean((0, 2, 3)) / 255).tolist())
     std = tuple((splits[True][0].float().std((0, 2, 3)) / 255).clamp_min(1e-3).tolist())
-    return ImageDataset(f"imagefolder:{root}", tuple(classes), 3, size, mean, std, True, False, lambda train, s: splits[train])
+
+    def pick(train: bool, index: Tensor, size: Tuple[int, int]) -> Tensor:
+        return torch.cat([resize_images(natives[train][i][None], size) for i in index.tolist()])
+
+    aspects = {t: torch.tensor([im.shape[-1] / im.shape[-2] for im in natives[t]]) for t in (True, False)}
+    return ImageDataset(f"imagefolder:{root}", tuple(classes), 3, size, mean, std, True, False, lambda train, s: splits[train],
+                        _pick=pick, _aspects=aspects)
 
 
 DATASETS = ("shapes", "fashion_mnist", "cifar10", "cifar100", "imagefolder:PATH")
