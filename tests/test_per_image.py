@@ -145,3 +145,21 @@ def test_per_image_coordinate_and_packing_errors():
         m(x, token_keep=0.0)
     with pytest.raises(ValueError, match="output_fmt='NLC'"):
         m.forward_intermediates(pack_images([torch.randn(3, 8, 8)], 4, 16))
+
+
+@pytest.mark.parametrize("pe", ["learned+rope_mixed+rel_bias+peg"])  # a token, a rotary, a bias and a conditional part
+def test_every_per_image_path_traces_without_graph_breaks(pe):
+    """torch.compile sees through the PE context: no cache keyed on data_ptr/_version, no data-dependent reads."""
+    import torch._dynamo as dynamo
+
+    m = small(pe, coord_aug={"shift": 1.0}).train()
+    x = torch.randn(4, 3, 16, 16)
+    packed = pack_images([torch.randn(3, h, w) for h, w in SIZES], 4, 40)
+    for run in (lambda: m(x), lambda: m(x, token_keep=0.5), lambda: m(packed)):
+        explained = dynamo.explain(lambda: run().sum())()
+        assert explained.graph_break_count == 0, explained.break_reasons
+    m.eval()
+    compiled = torch.compile(m, backend="aot_eager")  # traced, without needing a C++ compiler
+    torch.testing.assert_close(compiled(packed), m(packed), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled(x), m(x), atol=1e-5, rtol=1e-5)
+    dynamo.reset()

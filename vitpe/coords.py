@@ -198,6 +198,7 @@ class TokenGrid:
     segments: Optional[Tensor] = None
     images: Optional[Tensor] = None
     images_per_row: int = 1
+    canvas: Optional[Tuple[int, int]] = None  # (h, w) of the largest image grid, known where the grid is made
     batched: ClassVar[bool] = True
     key: ClassVar[None] = None
     spacing: ClassVar[None] = None
@@ -228,11 +229,13 @@ class TokenGrid:
         rows, cols = torch.meshgrid(torch.arange(h, device=dev), torch.arange(w, device=dev), indexing="ij")
         cells = torch.stack([cols.flatten(), rows.flatten()], -1).expand(batch, -1, -1)
         sizes = torch.tensor([w, h], device=dev).expand(batch, h * w, 2)
-        return cls(grid.ref, grid.coords.expand(batch, -1, -1), cells, sizes, grid.mode)
+        return cls(grid.ref, grid.coords.expand(batch, -1, -1), cells, sizes, grid.mode, canvas=grid.size)
 
     @property
     def size(self) -> Tuple[int, int]:
         """``(h, w)`` of the largest image grid: the canvas a grid convolution (PEG) scatters tokens onto."""
+        if self.canvas is not None:
+            return self.canvas  # no data-dependent read: torch.compile traces it
         if self.sizes is None:
             raise ValueError("these per-image coordinates were given directly (TokenGrid.from_coords): they have no grid")
         w, h = self.sizes.flatten(0, 1).amax(0).tolist()

@@ -109,7 +109,8 @@ def pack_patches(
         segments[row, at : at + n] = slot
     ref = to_2tuple(ref_grid, "ref_grid")
     images = torch.tensor([(r, s) for r, s, _ in placed], dtype=torch.long)
-    grid = TokenGrid(ref, cell_coords(cells, sizes, ref, coord_mode), cells, sizes, coord_mode, None, segments, images, max(slots))
+    canvas = (max(h for _, _, (h, _) in items), max(w for _, _, (_, w) in items))
+    grid = TokenGrid(ref, cell_coords(cells, sizes, ref, coord_mode), cells, sizes, coord_mode, None, segments, images, max(slots), canvas)
     return Packed(patches, grid, patch_size)
 
 

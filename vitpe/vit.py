@@ -485,7 +485,7 @@ class VisionTransformer(nn.Module):
         seg = grid.segments
         ids = torch.where(seg < 0, b * k, torch.arange(b, device=x.device)[:, None] * k + seg).flatten()
         sums = x.new_zeros(b * k + 1, d).index_add(0, ids, x[:, k * p :].reshape(b * n, d))
-        counts = torch.bincount(ids, minlength=b * k + 1).clamp(min=1).to(x.dtype)
+        counts = x.new_zeros(b * k + 1).index_add(0, ids, x.new_ones(b * n)).clamp(min=1)
         return (sums / counts[:, None])[rows * k + slots]
 
     def forward(
