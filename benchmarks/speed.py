@@ -14,7 +14,6 @@ import contextlib
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 import vitpe
 from vitpe.data import load_dataset
 from vitpe.data.augment import BatchAugment, normalize
+from vitpe.timing import alternate, ratio, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,37 +62,6 @@ def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dtype, tra
 
     model.train(train)
     return train_step if train else infer_step
-
-
-def timed(fn: Callable[[], None], iters: int, device: torch.device) -> float:
-    """Seconds per call."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t) / iters
-
-
-def alternate(fns: Dict[str, Callable[[], None]], iters: int, rounds: int, device: torch.device) -> Dict[str, List[float]]:
-    """Seconds per call of each function in every round, measured in turns. The order rotates from round
-    to round so that no function always runs first (after the others warmed or cooled the caches)."""
-    for fn in fns.values():  # warm-up (and compilation)
-        timed(fn, 2, device)
-    names = list(fns)
-    times: Dict[str, List[float]] = {k: [] for k in fns}
-    for r in range(rounds):
-        for k in names[r % len(names):] + names[: r % len(names)]:
-            times[k].append(timed(fns[k], iters, device))
-    return times
-
-
-def ratio(times: Dict[str, List[float]], num: str, den: str) -> Dict[str, float]:
-    """``num``'s time over ``den``'s (den's speed relative to num's): the median of the per-round ratios and their range."""
-    r = [a / b for a, b in zip(times[num], times[den])]
-    return {"median": statistics.median(r), "min": min(r), "max": max(r)}
 
 
 def peak_memory_mib(fn: Callable[[], None], device: torch.device) -> float:

@@ -1,0 +1,248 @@
+#!/usr/bin/env python
+"""Coordinates per image, measured: the shared-grid fast path against an earlier revision, token dropping, packing.
+
+    python benchmarks/per_image.py --parts baseline --baseline 12a28ff   # main-job training throughput, this tree / REV
+    python benchmarks/per_image.py --parts token_keep packing            # speed, side by side in one process
+    python benchmarks/per_image.py --parts accuracy --seeds 0 1          # Fashion-MNIST at equal wall time, r = 1 vs 0.5
+    python benchmarks/per_image.py --smoke                               # seconds: checks the script still runs
+
+``baseline`` alternates training-step measurements of this tree and of REV (a git worktree) in fresh processes,
+A B A B, and reports the median of the per-round ratios. ``token_keep`` and ``packing`` alternate in one process
+(vitpe.timing). ``accuracy`` trains configs/fashion_mnist_cpu.yaml with every token for E epochs and with half the
+tokens for E x (measured speed-up) epochs, so both take the same wall time. Results go to OUT/per_image.json
+(merged part by part as each finishes) and OUT/per_image.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+import vitpe
+from vitpe.checkpoint import load_checkpoint
+from vitpe.config import ModelConfig
+from vitpe.data import load_dataset
+from vitpe.data.augment import normalize
+from vitpe.data.mixed import draw_sizes, mixed_batch
+from vitpe.runs import safe_name, train_or_reuse
+from vitpe.timing import alternate, ratio
+
+ROOT = Path(__file__).resolve().parents[1]
+MAIN = {f: getattr(ModelConfig(), f) for f in ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "drop_path_rate")}
+FMNIST_CPU = dict(img_size=28, patch_size=4, embed_dim=96, depth=4, num_heads=3, mlp_ratio=2.0, pos_embed="rope_axial+peg", pool="mean")
+
+# One training step of the main job's model (python train.py: ModelConfig defaults, batch 128, timm AdamW, clipping),
+# run in a fresh process against whichever vitpe is first on its path: this tree or the baseline worktree.
+WORKER = r"""
+import sys, time, torch, torch.nn.functional as F, vitpe
+from timm.optim import create_optimizer_v2
+from vitpe.config import ModelConfig
+pe, iters = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+m = vitpe.VisionTransformer(**{**vars(ModelConfig()), "pos_embed": pe, "pos_embed_kwargs": {}, "coord_aug": {}}, num_classes=10, in_chans=3)
+opt = create_optimizer_v2(m, "adamw", lr=1e-3, weight_decay=0.05)
+x, y = torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,))
+def step():
+    loss = F.cross_entropy(m(x), y, label_smoothing=0.1)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    opt.step()
+for _ in range(3):
+    step()
+t = time.perf_counter()
+for _ in range(iters):
+    step()
+print(vitpe.__file__, (time.perf_counter() - t) / iters)
+"""
+
+
+def merge(out: Path, part: str, rows: List[Dict]) -> None:
+    """Write one part's rows into OUT/per_image.json (other parts kept) and re-render the markdown table."""
+    path = out / "per_image.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data[part] = rows
+    data["_meta"] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": os.cpu_count(),
+                     "date": time.strftime("%Y-%m-%d %H:%M")}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+    lines = [f"Measured {data['_meta']['date']}, torch {data['_meta']['torch']}, {data['_meta']['threads']} threads.", ""]
+    for name, part_rows in data.items():
+        if name.startswith("_") or not part_rows:
+            continue
+        keys = list(part_rows[0])
+        lines += [f"### {name}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |" for r in part_rows] + [""]
+    (out / "per_image.md").write_text("\n".join(lines))
+
+
+def part_baseline(args) -> List[Dict]:
+    """This tree's main-job training throughput over REV's, fresh processes alternating A B A B."""
+    tree = Path(tempfile.gettempdir()) / f"vitpe-baseline-{safe_name(args.baseline)}"
+    if not tree.is_dir():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.baseline], check=True)
+    sides = {"this tree": ROOT, f"baseline {args.baseline}": tree}
+    rows = []
+    for pe in args.pes:
+        times: Dict[str, List[float]] = {k: [] for k in sides}
+        for r in range(args.rounds):
+            for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                env = {**os.environ, "PYTHONPATH": str(sides[name])}
+                out = subprocess.run([sys.executable, "-c", WORKER, pe, str(args.iters)], cwd=sides[name], env=env,
+                                     capture_output=True, text=True, check=True).stdout.split()
+                assert Path(out[0]).resolve().is_relative_to(sides[name].resolve()), f"{name} imported vitpe from {out[0]}"
+                times[name].append(float(out[1]))
+        a, b = list(sides)
+        per_round = [tb / ta for ta, tb in zip(times[a], times[b])]
+        rows.append({"pe": pe, "this_img_s": 128 / statistics.median(times[a]), "baseline_img_s": 128 / statistics.median(times[b]),
+                     "throughput_ratio": statistics.median(per_round), "ratio_min": min(per_round), "ratio_max": max(per_round),
+                     "rounds": args.rounds})
+        print(f"[baseline] {pe}: this tree / {args.baseline} = {rows[-1]['throughput_ratio']:.3f} "
+              f"(rounds {min(per_round):.3f}..{max(per_round):.3f})")
+    return rows
+
+
+def train_step(model: torch.nn.Module, make: Callable[[], tuple]) -> Callable[[], None]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+
+    def step():
+        x, y, kw = make()
+        loss = F.cross_entropy(model(x, **kw), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def part_token_keep(args) -> List[Dict]:
+    """Training steps at token_keep 1, 0.5, 0.25, alternated in one process, for the main job and the CPU recipe."""
+    rows = []
+    for arch, a in {"main job (32px, 192d, sincos2d)": {**MAIN, "pos_embed": "sincos2d"}, "fashion_mnist_cpu (28px, 96d)": FMNIST_CPU}.items():
+        torch.manual_seed(0)
+        chans = 1 if a["img_size"] == 28 else 3
+        model = vitpe.VisionTransformer(**a, in_chans=chans, num_classes=10)
+        x, y = torch.randn(128, chans, a["img_size"], a["img_size"]), torch.randint(0, 10, (128,))
+        fns = {k: train_step(model, lambda k=k: (x, y, {} if k == 1.0 else {"token_keep": k})) for k in args.keeps}
+        times = alternate(fns, args.iters, args.rounds, torch.device("cpu"))
+        for k in args.keeps:
+            r = ratio(times, 1.0, k)
+            rows.append({"arch": arch, "token_keep": k, "img_s": 128 / statistics.median(times[k]), "speedup": r["median"],
+                         "speedup_min": r["min"], "speedup_max": r["max"], "ideal": 1 / k})
+            print(f"[token_keep] {arch} r={k}: {rows[-1]['img_s']:.0f} img/s, {r['median']:.2f}x (ideal {1 / k:.1f}x)")
+    return rows
+
+
+def part_packing(args) -> List[Dict]:
+    """Tokens/s of packed mixed-size batches against same-size batches of the same token count (model step only), and
+    the data cost of building each batch (shapes rendered at each image's size)."""
+    ds = load_dataset("shapes", train_size=2048, test_size=64)
+    p, side = MAIN["patch_size"], MAIN["img_size"]
+    sides = list(range(16, 49, 4))
+    budget = (max(sides) // p) ** 2
+    rows = []
+    same_n = 64  # 64 images x 64 tokens = 4096 tokens per step
+    torch.manual_seed(0)
+    sizes = draw_sizes(4 * same_n, sides, p)
+    count, tokens = 0, 0
+    while tokens + sizes[count][0] * sizes[count][1] // p**2 <= same_n * (side // p) ** 2:
+        tokens += sizes[count][0] * sizes[count][1] // p**2
+        count += 1
+    index = torch.arange(count)
+    packed = mixed_batch(ds, True, index, sizes[:count], p, budget)
+    same = normalize(ds.images_at(True, torch.arange(same_n), (side, side)), ds.mean, ds.std)
+    y_same, y_packed = ds.split(True)[1][:same_n], ds.split(True)[1][:count]
+    for pe in args.pes:
+        torch.manual_seed(0)
+        model = vitpe.VisionTransformer(**MAIN, pos_embed=pe, num_classes=10)
+        fns = {"same size": train_step(model, lambda: (same, y_same, {})), "packed": train_step(model, lambda: (packed, y_packed, {}))}
+        times = alternate(fns, args.iters, args.rounds, torch.device("cpu"))
+        same_tok = same_n * (side // p) ** 2 / statistics.median(times["same size"])
+        packed_tok = packed.num_tokens / statistics.median(times["packed"])
+        r = ratio(times, "same size", "packed")
+        rows.append({"pe": pe, "same_size_tokens_s": same_tok, "packed_tokens_s": packed_tok, "ratio": packed_tok / same_tok,
+                     "per_round_min": r["min"] * packed.num_tokens / (same_n * (side // p) ** 2),
+                     "per_round_max": r["max"] * packed.num_tokens / (same_n * (side // p) ** 2),
+                     "images_packed": count, "rows": packed.patches.shape[0], "row_tokens": budget,
+                     "fill": packed.num_tokens / packed.patches.shape[:2].numel()})
+        print(f"[packing] {pe}: packed {packed_tok:.0f} tokens/s vs same size {same_tok:.0f} = {rows[-1]['ratio']:.3f}")
+    data = {"same size": lambda: normalize(ds.images_at(True, torch.arange(same_n), (side, side)), ds.mean, ds.std),
+            "packed": lambda: mixed_batch(ds, True, index, sizes[:count], p, budget)}
+    dt = alternate(data, args.iters, args.rounds, torch.device("cpu"))
+    rows.append({"pe": "(data: build one batch, ms)", "same_size_tokens_s": 1000 * statistics.median(dt["same size"]),
+                 "packed_tokens_s": 1000 * statistics.median(dt["packed"]), "ratio": float("nan"), "per_round_min": float("nan"),
+                 "per_round_max": float("nan"), "images_packed": count, "rows": packed.patches.shape[0], "row_tokens": budget,
+                 "fill": packed.num_tokens / packed.patches.shape[:2].numel()})
+    return rows
+
+
+def part_accuracy(args, speedup: float) -> List[Dict]:
+    """Fashion-MNIST (real, full test set, last epoch) at equal wall time: every token for E epochs, half for E x speed-up."""
+    out = Path(args.out) / "runs"
+    rows = []
+    plans = [(1.0, args.epochs), (0.5, max(1, round(args.epochs * speedup)))]
+    for seed in args.seeds:
+        for keep, epochs in plans:
+            name = safe_name(f"fmnist-cpu-keep{keep:g}-e{epochs}-seed{seed}")
+            cmd = ["--config", str(ROOT / "configs" / "fashion_mnist_cpu.yaml"), "--set", f"train.epochs={epochs}",
+                   "--set", f"train.token_keep={keep}", "--set", f"train.seed={seed}"]
+            if args.smoke:
+                cmd += ["--set", "data.train_size=512", "--set", "data.test_size=256"]
+            run = train_or_reuse(out / name, cmd, name)
+            metrics = load_checkpoint(run)["metrics"]
+            rows.append({"token_keep": keep, "epochs": epochs, "seed": seed, "test_top1": metrics[-1]["test_top1"],
+                         "train_wall_s": sum(m["epoch_s"] for m in metrics), "run": name})
+            print(f"[accuracy] keep {keep:g}, {epochs} epochs, seed {seed}: {100 * rows[-1]['test_top1']:.2f}% in "
+                  f"{rows[-1]['train_wall_s'] / 60:.1f} min")
+            merge(Path(args.out), "accuracy", rows)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", default=["token_keep", "packing", "accuracy"],
+                   choices=["baseline", "token_keep", "packing", "accuracy"])
+    p.add_argument("--baseline", default="HEAD", help="git revision to compare the main job's throughput with")
+    p.add_argument("--pes", nargs="+", default=["sincos2d", "rope_mixed", "rel_bias"])
+    p.add_argument("--keeps", nargs="+", type=float, default=[1.0, 0.5, 0.25])
+    p.add_argument("--iters", type=int, default=5, help="steps per timed round")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--epochs", type=int, default=4, help="accuracy: epochs with every token")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    p.add_argument("--smoke", action="store_true", help="tiny settings: seconds")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.iters, args.rounds, args.pes, args.keeps, args.epochs = 1, 1, ["rope_mixed"], [1.0, 0.5], 1
+        MAIN.update(embed_dim=32, depth=1, num_heads=2)
+        FMNIST_CPU.update(embed_dim=24, depth=1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    speedup = 2.0
+    for part in args.parts:
+        if part == "accuracy":
+            done = json.loads((out / "per_image.json").read_text()).get("token_keep", []) if (out / "per_image.json").is_file() else []
+            measured = [r["speedup"] for r in done if r["token_keep"] == 0.5 and r["arch"].startswith("fashion_mnist_cpu")]
+            speedup = measured[0] if measured else speedup
+            print(f"[accuracy] half the tokens trains {speedup:.2f}x faster (token_keep part{'' if measured else ': not run, assumed'})")
+            part_accuracy(args, speedup)
+        else:
+            merge(out, part, {"baseline": part_baseline, "token_keep": part_token_keep, "packing": part_packing}[part](args))
+    print(f"results: {out / 'per_image.json'}, {out / 'per_image.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
