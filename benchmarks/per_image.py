@@ -6,8 +6,8 @@
     python benchmarks/per_image.py --parts accuracy --seeds 0 1          # Fashion-MNIST at equal wall time, r = 1 vs 0.5
     python benchmarks/per_image.py --smoke                               # seconds: checks the script still runs
 
-``baseline`` alternates training-step measurements of this tree and of REV (a git worktree) in fresh processes,
-A B A B, and reports the median of the per-round ratios. ``token_keep`` and ``packing`` alternate in one process
+``baseline`` imports REV's vitpe (a git worktree) beside this tree's and alternates their training steps in one
+process, A B A B, reporting the median of the per-round ratios. ``token_keep`` and ``packing`` alternate in one process
 (vitpe.timing). ``accuracy`` trains configs/fashion_mnist_cpu.yaml with every token for E epochs and with half the
 tokens for E x (measured speed-up) epochs, so both take the same wall time. Results go to OUT/per_image.json
 (merged part by part as each finishes) and OUT/per_image.md.
@@ -15,6 +15,7 @@ tokens for E x (measured speed-up) epochs, so both take the same wall time. Resu
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -40,32 +42,6 @@ from vitpe.timing import alternate, ratio
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = {f: getattr(ModelConfig(), f) for f in ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "drop_path_rate")}
 FMNIST_CPU = dict(img_size=28, patch_size=4, embed_dim=96, depth=4, num_heads=3, mlp_ratio=2.0, pos_embed="rope_axial+peg", pool="mean")
-
-# One training step of the main job's model (python train.py: ModelConfig defaults, batch 128, timm AdamW, clipping),
-# run in a fresh process against whichever vitpe is first on its path: this tree or the baseline worktree.
-WORKER = r"""
-import sys, time, torch, torch.nn.functional as F, vitpe
-from timm.optim import create_optimizer_v2
-from vitpe.config import ModelConfig
-pe, iters = sys.argv[1], int(sys.argv[2])
-torch.manual_seed(0)
-m = vitpe.VisionTransformer(**{**vars(ModelConfig()), "pos_embed": pe, "pos_embed_kwargs": {}, "coord_aug": {}}, num_classes=10, in_chans=3)
-opt = create_optimizer_v2(m, "adamw", lr=1e-3, weight_decay=0.05)
-x, y = torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,))
-def step():
-    loss = F.cross_entropy(m(x), y, label_smoothing=0.1)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-    opt.step()
-for _ in range(3):
-    step()
-t = time.perf_counter()
-for _ in range(iters):
-    step()
-print(vitpe.__file__, (time.perf_counter() - t) / iters)
-"""
-
 
 def merge(out: Path, part: str, rows: List[Dict]) -> None:
     """Write one part's rows into OUT/per_image.json (other parts kept) and re-render the markdown table."""
@@ -87,29 +63,52 @@ def merge(out: Path, part: str, rows: List[Dict]) -> None:
     (out / "per_image.md").write_text("\n".join(lines))
 
 
-def part_baseline(args) -> List[Dict]:
-    """This tree's main-job training throughput over REV's, fresh processes alternating A B A B."""
-    tree = Path(tempfile.gettempdir()) / f"vitpe-baseline-{safe_name(args.baseline)}"
+def load_baseline(rev: str):
+    """vitpe as of git revision ``rev``, imported beside this tree's as package ``vitpe_base`` (a git worktree), so both
+    run in one process and are timed in turns. Its model code uses relative imports only, so nothing of it mixes."""
+    tree = Path(tempfile.gettempdir()) / f"vitpe-baseline-{safe_name(rev)}"
     if not tree.is_dir():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), args.baseline], check=True)
-    sides = {"this tree": ROOT, f"baseline {args.baseline}": tree}
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True)
+    spec = importlib.util.spec_from_file_location("vitpe_base", tree / "vitpe" / "__init__.py", submodule_search_locations=[str(tree / "vitpe")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vitpe_base"] = module
+    warnings.filterwarnings("ignore", message="Overwriting vitpe_")  # two vitpes register the same timm model names
+    spec.loader.exec_module(module)
+    return module
+
+
+def main_job_step(package, pe: str) -> Callable[[], None]:
+    """One training step of the main job's model (python train.py: ModelConfig defaults, batch 128, timm's AdamW,
+    gradient clipping) with PE ``pe``, built by ``package``'s VisionTransformer."""
+    from timm.optim import create_optimizer_v2
+
+    torch.manual_seed(0)
+    model = package.VisionTransformer(**{**vars(ModelConfig()), "pos_embed": pe}, num_classes=10, in_chans=3)
+    opt = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05)
+    x, y = torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,))
+
+    def step():
+        loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    return step
+
+
+def part_baseline(args) -> List[Dict]:
+    """This tree's main-job training throughput over REV's, in one process, alternating A B A B."""
+    base = load_baseline(args.baseline)
     rows = []
     for pe in args.pes:
-        times: Dict[str, List[float]] = {k: [] for k in sides}
-        for r in range(args.rounds):
-            for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-                env = {**os.environ, "PYTHONPATH": str(sides[name])}
-                out = subprocess.run([sys.executable, "-c", WORKER, pe, str(args.iters)], cwd=sides[name], env=env,
-                                     capture_output=True, text=True, check=True).stdout.split()
-                assert Path(out[0]).resolve().is_relative_to(sides[name].resolve()), f"{name} imported vitpe from {out[0]}"
-                times[name].append(float(out[1]))
-        a, b = list(sides)
-        per_round = [tb / ta for ta, tb in zip(times[a], times[b])]
-        rows.append({"pe": pe, "this_img_s": 128 / statistics.median(times[a]), "baseline_img_s": 128 / statistics.median(times[b]),
-                     "throughput_ratio": statistics.median(per_round), "ratio_min": min(per_round), "ratio_max": max(per_round),
-                     "rounds": args.rounds})
-        print(f"[baseline] {pe}: this tree / {args.baseline} = {rows[-1]['throughput_ratio']:.3f} "
-              f"(rounds {min(per_round):.3f}..{max(per_round):.3f})")
+        fns = {"this tree": main_job_step(vitpe, pe), "baseline": main_job_step(base, pe)}
+        times = alternate(fns, args.iters, args.rounds, torch.device("cpu"))
+        r = ratio(times, "baseline", "this tree")
+        rows.append({"pe": pe, "this_img_s": 128 / statistics.median(times["this tree"]), "baseline_img_s": 128 / statistics.median(times["baseline"]),
+                     "throughput_ratio": r["median"], "ratio_min": r["min"], "ratio_max": r["max"], "rounds": args.rounds,
+                     "steps_per_round": args.iters, "baseline": args.baseline})
+        print(f"[baseline] {pe}: this tree / {args.baseline} = {r['median']:.3f} (rounds {r['min']:.3f}..{r['max']:.3f})")
     return rows
 
 
