@@ -163,3 +163,14 @@ def test_every_per_image_path_traces_without_graph_breaks(pe):
     torch.testing.assert_close(compiled(packed), m(packed), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(compiled(x), m(x), atol=1e-5, rtol=1e-5)
     dynamo.reset()
+
+
+def test_batch_level_augmentation_combines_with_token_dropping_and_part_modes():
+    m = small("learned+rope_mixed", coord_aug={"shift": 1.0, "rescale": 1.5, "per_image": False},
+              pos_embed_kwargs={"rope_mixed.coord_mode": "extrapolate"}).train()
+    m(torch.randn(2, 3, 16, 16), token_keep=0.5).sum().backward()  # one draw for the batch, then a subset per image
+    shared = vitpe.PatchGrid.create((4, 6), (4, 4), "interpolate").transformed(1.3, 0.9, 0.5, -0.25)
+    per_image = TokenGrid.from_grid(shared, 3)
+    torch.testing.assert_close(per_image.coords[1], shared.coords)
+    # Each part may read the grid in its own mode; the per-image grid redoes the same augmentation in that mode.
+    torch.testing.assert_close(per_image.in_mode("extrapolate").coords[2], shared.in_mode("extrapolate").coords, atol=1e-5, rtol=1e-5)

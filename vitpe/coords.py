@@ -221,15 +221,18 @@ class TokenGrid:
 
     @classmethod
     def from_grid(cls, grid: PatchGrid, batch: int) -> "TokenGrid":
-        """``grid`` given to each of ``batch`` images: the starting point of dropping and per-image augmentation."""
-        if grid.affine is not None or grid.mode is None:
-            raise ValueError("TokenGrid.from_grid needs a plain grid made by PatchGrid.create (no batch-level augmentation)")
+        """``grid`` given to each of ``batch`` images: the starting point of dropping and per-image augmentation (a
+        batch-level augmentation of ``grid`` is kept, the same for every image)."""
+        if grid.mode is None:
+            raise ValueError("TokenGrid.from_grid needs a grid made by PatchGrid.create (these coordinates were given directly); "
+                             "use TokenGrid.from_coords")
         h, w = grid.size
         dev = grid.coords.device
         rows, cols = torch.meshgrid(torch.arange(h, device=dev), torch.arange(w, device=dev), indexing="ij")
         cells = torch.stack([cols.flatten(), rows.flatten()], -1).expand(batch, -1, -1)
         sizes = torch.tensor([w, h], device=dev).expand(batch, h * w, 2)
-        return cls(grid.ref, grid.coords.expand(batch, -1, -1), cells, sizes, grid.mode, canvas=grid.size)
+        affine = None if grid.affine is None else torch.tensor(grid.affine, device=dev, dtype=torch.float32).expand(batch, h * w, 4)
+        return cls(grid.ref, grid.coords.expand(batch, -1, -1), cells, sizes, grid.mode, affine, canvas=grid.size)
 
     @property
     def size(self) -> Tuple[int, int]:

@@ -51,8 +51,7 @@ def attend(
     bias = None
     if pos is not None:
         q, k = pos.rotate(q, k, layer)
-        bias = None if pos.mask is None or pos.mask.dtype == torch.bool else pos.mask.to(q.dtype)
-        bias = pos.mask if bias is None else bias
+        bias = pos.mask if pos.mask is None or pos.mask.dtype == torch.bool else pos.mask.to(q.dtype)  # bool: packed rows
     if num_queries is not None:
         q = q[:, :, :num_queries]
         bias = None if bias is None else bias[..., :num_queries, :]
@@ -371,10 +370,10 @@ class VisionTransformer(nn.Module):
                 grid = self.patch_grid(grid_hw, x.device)
             else:
                 self._check_grid(grid, b, grid_hw)
-            if token_keep is not None and token_keep < 1:
-                grid = (grid if grid.batched else TokenGrid.from_grid(grid, b)).keep_random(token_keep)
             if made and self.training and self.coord_aug.active:
                 grid = self.coord_aug(grid, b)
+            if token_keep is not None and token_keep < 1:
+                grid = (grid if grid.batched else TokenGrid.from_grid(grid, b)).keep_random(token_keep)
             tokens = rearrange(self.patchify(x, patch_size), "b d h w -> b (h w) d")  # (B, N, D)
             if grid.batched and grid.cells is not None:  # the tokens the grid names (all of them, or those kept)
                 index = grid.cells[..., 1] * grid_hw[1] + grid.cells[..., 0]

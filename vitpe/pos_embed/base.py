@@ -18,7 +18,7 @@ its coordinates in its own mode, as RoPE-ViT's "+APE" models interpolate the tab
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Dict, FrozenSet, Hashable, Optional, Tuple
 
 import torch
@@ -54,6 +54,7 @@ class PosContext:
     conditional: Optional["PosEmbed"] = None
     condition_layers: FrozenSet[int] = frozenset()
     mask: Optional[Tensor] = None
+    _layers: Optional[tuple] = field(default=None, repr=False)
 
     def add_tokens(self, x: Tensor) -> Tensor:
         """``x``: ``(B, N, dim)`` patch tokens (no prefix)."""
@@ -64,10 +65,14 @@ class PosContext:
         if self.cos is None:
             return q, k
         i = min(layer, self.cos.shape[0] - 1)
-        if self.rot is not None and q.dtype == k.dtype == self.cos.dtype:
-            return rotate_complex(q, self.rot[i]), rotate_complex(k, self.rot[i])
-        cos, sin = self.cos[i], self.sin[i]  # half precision: complex32 arithmetic is not supported everywhere
-        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
+        if self._layers is None:
+            # One split for all blocks: indexing [i] in each block would make autograd build a zero tensor of the full
+            # (L, B, heads, T, P) per block in backward; unbind's backward is a single stack.
+            self._layers = tuple(t.unbind(0) if t is not None else None for t in (self.rot, self.cos, self.sin))
+        rot, cos, sin = (t if t is None else t[i] for t in self._layers)
+        if rot is not None and q.dtype == k.dtype == self.cos.dtype:
+            return rotate_complex(q, rot), rotate_complex(k, rot)
+        return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)  # half precision: complex32 is not supported everywhere
 
     def after_block(self, layer: int, x: Tensor) -> Tensor:
         """``x``: ``(B, T, dim)``; applies a conditional encoding to the patch tokens only."""
