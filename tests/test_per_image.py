@@ -59,6 +59,11 @@ def test_packing_fills_rows_first_fit_and_keeps_input_order():
     assert p.grid.images.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]] and p.grid.images_per_row == 2
     assert p.grid.segments.tolist() == [[0] * 6 + [1] * 2, [0] * 4 + [1] * 4]
     torch.testing.assert_close(p.patches[0, :6], image_patches(imgs[0], 4))
+    # Largest first: 2, 2, 6, 6 tokens fill two rows of 8 (in input order, first fit would open a third).
+    imgs = [torch.randn(1, 8 * a, 4) for a in (1, 1, 3, 3)]
+    p = pack_images(imgs, 4, 8)
+    assert p.patches.shape[0] == 2 and p.grid.images.tolist() == [[0, 1], [1, 1], [0, 0], [1, 0]]
+    torch.testing.assert_close(p.patches[0, 6:], image_patches(imgs[0], 4))  # image 0 fills row 0 after image 2
 
 
 @pytest.mark.parametrize("pe", PES)

@@ -39,16 +39,11 @@ def snap(size: float, multiple: int) -> int:
     return max(multiple, int(round(size / multiple)) * multiple)
 
 
-def _axis(n: int, ref: int, mode: str) -> Tuple[float, float]:
-    """(scale, offset) such that patch ``j`` of an ``n``-patch axis sits at ``scale * j + offset``."""
-    if mode == "interpolate":
-        # The n patches cover the same extent as the ref patches: centre j maps to (j + .5) * ref / n - .5,
-        # the half-pixel convention of F.interpolate(align_corners=False).
-        scale = ref / n
-        return scale, 0.5 * scale - 0.5
-    if mode == "extrapolate":
-        return 1.0, 0.0
-    raise ValueError(f"unknown coord mode {mode!r}; expected one of {COORD_MODES}")
+def _spacing(n: int, ref: int, mode: str) -> float:
+    """Distance between neighbouring patch centres of an ``n``-patch axis, in reference patches (see :func:`cell_coords`)."""
+    if mode not in COORD_MODES:
+        raise ValueError(f"unknown coord mode {mode!r}; expected one of {COORD_MODES}")
+    return ref / n if mode == "interpolate" else 1.0
 
 
 def grid_coords(
@@ -67,13 +62,28 @@ def grid_coords(
     size. ``ref_grid=None`` means the grid is its own reference.
     """
     h, w = to_2tuple(grid_size, "grid_size")
-    rh, rw = (h, w) if ref_grid is None else to_2tuple(ref_grid, "ref_grid")
-    sx, ox = _axis(w, rw, mode)
-    sy, oy = _axis(h, rh, mode)
-    xs = torch.arange(w, device=device, dtype=torch.float64) * sx + ox
-    ys = torch.arange(h, device=device, dtype=torch.float64) * sy + oy
-    y, x = torch.meshgrid(ys, xs, indexing="ij")  # (h, w) each, row-major
-    return torch.stack([x.flatten(), y.flatten()], dim=-1).to(dtype)
+    ref = (h, w) if ref_grid is None else to_2tuple(ref_grid, "ref_grid")
+    rows, cols = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")  # row-major
+    cells = torch.stack([cols.flatten(), rows.flatten()], dim=-1)
+    return cell_coords(cells, torch.tensor([w, h], device=device), ref, mode, dtype)
+
+
+def cell_coords(cells: Tensor, sizes: Tensor, ref: Size2, mode: CoordMode = "interpolate", dtype: torch.dtype = torch.float32) -> Tensor:
+    """Coordinates of tokens given by their cell in their own image's grid: the one formula of patch coordinates.
+
+    ``cells`` ``(..., 2)`` ``(column, row)`` and ``sizes`` ``(..., 2)`` ``(w, h)`` of each token's image grid (any
+    leading shape, broadcasting: a packed row mixes images of different sizes); ``ref`` ``(h, w)``. Returns ``(..., 2)``
+    ``(x, y)`` (computed in float64, returned as ``dtype``): ``(c + 0.5) * ref / n - 0.5`` per axis in interpolate mode (the half-pixel convention of
+    ``F.interpolate(align_corners=False)``: ``n`` patches span the reference extent), ``c`` in extrapolate mode.
+    """
+    rh, rw = to_2tuple(ref, "ref_grid")
+    c, n = cells.to(torch.float64), sizes.to(torch.float64)
+    if mode == "interpolate":
+        scale = torch.tensor([rw, rh], device=c.device, dtype=torch.float64) / n
+        return (c * scale + (0.5 * scale - 0.5)).to(dtype)
+    if mode == "extrapolate":
+        return c.to(dtype)
+    raise ValueError(f"unknown coord mode {mode!r}; expected one of {COORD_MODES}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,7 +120,7 @@ class PatchGrid:
         size = to_2tuple(grid_size, "grid_size")
         ref = size if ref_grid is None else to_2tuple(ref_grid, "ref_grid")
         coords = grid_coords(size, ref, mode, device=device)
-        spacing = (_axis(size[1], ref[1], mode)[0], _axis(size[0], ref[0], mode)[0])
+        spacing = (_spacing(size[1], ref[1], mode), _spacing(size[0], ref[0], mode))
         key = (size, ref, mode, coords.device)
         return cls(size, ref, coords, spacing, key, mode)
 
@@ -150,23 +160,6 @@ class PatchGrid:
             )
         grid = PatchGrid.create(self.size, self.ref, mode, device=self.coords.device)
         return grid if self.affine is None else grid.transformed(*self.affine)
-
-
-def cell_coords(cells: Tensor, sizes: Tensor, ref: Size2, mode: CoordMode = "interpolate") -> Tensor:
-    """Coordinates of tokens given by their cell in their own image's grid: the per-token form of :func:`grid_coords`.
-
-    ``cells`` ``(..., 2)`` ``(column, row)`` and ``sizes`` ``(..., 2)`` ``(w, h)`` of each token's image grid, any
-    leading shape (a packed sequence mixes images of different sizes). Returns float32 ``(..., 2)`` ``(x, y)``, bit for
-    bit :func:`grid_coords` of that image's grid (the same float64 operations in the same order).
-    """
-    rh, rw = to_2tuple(ref, "ref_grid")
-    c, n = cells.to(torch.float64), sizes.to(torch.float64)
-    if mode == "interpolate":
-        scale = torch.tensor([rw, rh], device=c.device, dtype=torch.float64) / n
-        return (c * scale + (0.5 * scale - 0.5)).float()
-    if mode == "extrapolate":
-        return c.float()
-    raise ValueError(f"unknown coord mode {mode!r}; expected one of {COORD_MODES}")
 
 
 def _affine(coords: Tensor, centre: Tensor, affine: Tensor) -> Tensor:

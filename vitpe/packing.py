@@ -69,7 +69,8 @@ def pack_patches(
     coord_mode: str = "interpolate",
 ) -> Packed:
     """Pack images given as ``(patches (n, C*p*p), cells (n, 2) (column, row), grid (h, w))`` (all of an image's cells,
-    or any subset of them: dropped tokens) into rows of ``max_tokens`` tokens, first fit in input order.
+    or any subset of them: dropped tokens) into rows of ``max_tokens`` tokens: first fit, largest image first (which
+    leaves less padding than input order); ``grid.images`` keeps each image's place, so results come back in input order.
 
     ``ref_grid``/``coord_mode`` set the coordinates; the model recomputes them in its own (``TokenGrid.rebased``).
     """
@@ -77,20 +78,21 @@ def pack_patches(
         raise PackingError(f"max_tokens must be a positive number of patch tokens per row, got {max_tokens!r}")
     if not items:
         raise PackingError("nothing to pack: the list of images is empty")
-    room: List[int] = []  # free tokens per row
-    placed: List[Tuple[int, int, int]] = []  # (row, slot, offset) per image
-    slots: List[int] = []
     for i, (patches, _, (h, w)) in enumerate(items):
-        n = patches.shape[0]
-        if n > max_tokens:
-            raise PackingError(f"image {i} has {n} patch tokens ({h}x{w} patches), more than the budget of max_tokens={max_tokens}; "
-                               f"raise max_tokens to at least {n}, or use smaller images")
+        if patches.shape[0] > max_tokens:
+            raise PackingError(f"image {i} has {patches.shape[0]} patch tokens ({h}x{w} patches), more than the budget of "
+                               f"max_tokens={max_tokens}; raise max_tokens to at least {patches.shape[0]}, or use smaller images")
+    room: List[int] = []  # free tokens per row
+    placed: List[Tuple[int, int, int]] = [(0, 0, 0)] * len(items)  # (row, slot, offset) per image, in input order
+    slots: List[int] = []
+    for i in sorted(range(len(items)), key=lambda i: -items[i][0].shape[0]):  # stable: equal sizes keep their order
+        n = items[i][0].shape[0]
         row = next((r for r, free in enumerate(room) if free >= n), None)
         if row is None:
             row = len(room)
             room.append(max_tokens)
             slots.append(0)
-        placed.append((row, slots[row], max_tokens - room[row]))
+        placed[i] = (row, slots[row], max_tokens - room[row])
         room[row] -= n
         slots[row] += 1
     first = items[0][0]
