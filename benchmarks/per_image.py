@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import vitpe
 from vitpe.checkpoint import load_checkpoint
-from vitpe.config import ModelConfig
+from vitpe.config import ModelConfig, load_config
 from vitpe.data import load_dataset
 from vitpe.data.augment import normalize
 from vitpe.data.mixed import draw_sizes, mixed_batch
@@ -40,8 +40,14 @@ from vitpe.runs import safe_name, train_or_reuse
 from vitpe.timing import alternate, ratio
 
 ROOT = Path(__file__).resolve().parents[1]
-MAIN = {f: getattr(ModelConfig(), f) for f in ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "drop_path_rate")}
-FMNIST_CPU = dict(img_size=28, patch_size=4, embed_dim=96, depth=4, num_heads=3, mlp_ratio=2.0, pos_embed="rope_axial+peg", pool="mean")
+# The models measured, as VisionTransformer arguments (their configs' model sections): the main job (python train.py),
+# the 192-d architecture of benchmarks/speed.py (ModelConfig's defaults), and the Fashion-MNIST CPU recipe.
+ARCHS = {
+    "main job (96-d, 4 blocks, 32 px)": vars(load_config(str(ROOT / "configs" / "shapes.yaml")).model),
+    "192-d (6 blocks, 32 px)": vars(ModelConfig()),
+    "fashion_mnist_cpu (96-d, 4 blocks, 28 px)": vars(load_config(str(ROOT / "configs" / "fashion_mnist_cpu.yaml")).model),
+}
+MAIN_JOB, BENCH_192, FMNIST_CPU = ARCHS
 
 def merge(out: Path, part: str, rows: List[Dict]) -> None:
     """Write one part's rows into OUT/per_image.json (other parts kept) and re-render the markdown table."""
@@ -77,13 +83,13 @@ def load_baseline(rev: str):
     return module
 
 
-def main_job_step(package, pe: str) -> Callable[[], None]:
-    """One training step of the main job's model (python train.py: ModelConfig defaults, batch 128, timm's AdamW,
-    gradient clipping) with PE ``pe``, built by ``package``'s VisionTransformer."""
+def recipe_step(package, arch: str, pe: str) -> Callable[[], None]:
+    """One training step as train.py takes it (batch 128, timm's AdamW, label smoothing, gradient clipping) of
+    architecture ``arch`` with PE ``pe``, built by ``package``'s VisionTransformer."""
     from timm.optim import create_optimizer_v2
 
     torch.manual_seed(0)
-    model = package.VisionTransformer(**{**vars(ModelConfig()), "pos_embed": pe}, num_classes=10, in_chans=3)
+    model = package.VisionTransformer(**{**ARCHS[arch], "pos_embed": pe}, num_classes=10, in_chans=3)
     opt = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05)
     x, y = torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,))
 
@@ -98,15 +104,18 @@ def main_job_step(package, pe: str) -> Callable[[], None]:
 
 
 def part_baseline(args) -> List[Dict]:
-    """This tree's main-job training throughput over REV's, in one process, alternating A B A B."""
+    """This tree's training throughput over REV's, in one process, alternating A B A B (the main job's model, and with
+    other PEs)."""
     base = load_baseline(args.baseline)
     rows = []
+    arch = MAIN_JOB
     for pe in args.pes:
         # A second copy of this tree's model is the control: its ratio to the first is what the harness alone shows.
-        fns = {"this tree": main_job_step(vitpe, pe), "baseline": main_job_step(base, pe), "this tree again": main_job_step(vitpe, pe)}
+        fns = {"this tree": recipe_step(vitpe, arch, pe), "baseline": recipe_step(base, arch, pe), "this tree again": recipe_step(vitpe, arch, pe)}
         times = alternate(fns, args.iters, args.rounds, torch.device("cpu"))
         r, control = ratio(times, "baseline", "this tree"), ratio(times, "this tree again", "this tree")
-        rows.append({"pe": pe, "this_img_s": 128 / statistics.median(times["this tree"]), "baseline_img_s": 128 / statistics.median(times["baseline"]),
+        rows.append({"arch": arch, "pe": pe, "this_img_s": 128 / statistics.median(times["this tree"]),
+                     "baseline_img_s": 128 / statistics.median(times["baseline"]),
                      "throughput_ratio": r["median"], "ratio_min": r["min"], "ratio_max": r["max"],
                      "fastest_round_ratio": min(times["baseline"]) / min(times["this tree"]), "control_ratio": control["median"],
                      "control_min": control["min"], "control_max": control["max"], "rounds": args.rounds, "steps_per_round": args.iters,
@@ -133,7 +142,7 @@ def train_step(model: torch.nn.Module, make: Callable[[], tuple]) -> Callable[[]
 def part_token_keep(args) -> List[Dict]:
     """Training steps at token_keep 1, 0.5, 0.25, alternated in one process, for the main job and the CPU recipe."""
     rows = []
-    for arch, a in {"main job (32px, 192d, sincos2d)": {**MAIN, "pos_embed": "sincos2d"}, "fashion_mnist_cpu (28px, 96d)": FMNIST_CPU}.items():
+    for arch, a in ARCHS.items():
         torch.manual_seed(0)
         chans = 1 if a["img_size"] == 28 else 3
         model = vitpe.VisionTransformer(**a, in_chans=chans, num_classes=10)
@@ -166,7 +175,8 @@ def part_packing(args) -> List[Dict]:
     step; data built beforehand), the FLOPs behind both, and the cost of building each batch (shapes rendered at each
     image's size)."""
     ds = load_dataset("shapes", train_size=2048, test_size=64)
-    p, side = MAIN["patch_size"], MAIN["img_size"]
+    arch = BENCH_192
+    p, side = ARCHS[arch]["patch_size"], ARCHS[arch]["img_size"]
     same_n = 64  # 64 images x 64 tokens = 4096 patch tokens per step
     same_tokens = same_n * (side // p) ** 2
     same = normalize(ds.images_at(True, torch.arange(same_n), (side, side)), ds.mean, ds.std)
@@ -183,13 +193,13 @@ def part_packing(args) -> List[Dict]:
         packed = mixed_batch(ds, True, torch.arange(count), sizes[:count], p, budget)
         for pe in args.pes:
             torch.manual_seed(0)
-            model = vitpe.VisionTransformer(**MAIN, pos_embed=pe, num_classes=10)
+            model = vitpe.VisionTransformer(**{**ARCHS[arch], "pos_embed": pe}, num_classes=10)
             fns = {"same size": train_step(model, lambda: (same, labels[:same_n], {})),
                    "packed": train_step(model, lambda: (packed, labels[:count], {}))}
             flops = {k: flops_per_call(fn) for k, fn in fns.items()}
             times = alternate(fns, args.iters, args.rounds, torch.device("cpu"))
             same_tok, packed_tok = same_tokens / statistics.median(times["same size"]), packed.num_tokens / statistics.median(times["packed"])
-            rows.append({"setup": setup, "pe": pe, "same_size_tokens_s": same_tok, "packed_tokens_s": packed_tok, "ratio": packed_tok / same_tok,
+            rows.append({"arch": arch, "setup": setup, "pe": pe, "same_size_tokens_s": same_tok, "packed_tokens_s": packed_tok, "ratio": packed_tok / same_tok,
                          "flops_per_token_ratio": (flops["packed"] / packed.num_tokens) / (flops["same size"] / same_tokens),
                          "images_packed": count, "rows": packed.patches.shape[0], "fill": packed.num_tokens / packed.patches.shape[:2].numel()})
             print(f"[packing] {setup}, {pe}: packed {packed_tok:.0f} tokens/s vs same size {same_tok:.0f} = {rows[-1]['ratio']:.3f} "
@@ -197,7 +207,7 @@ def part_packing(args) -> List[Dict]:
         data = {"same size": lambda: normalize(ds.images_at(True, torch.arange(same_n), (side, side)), ds.mean, ds.std),
                 "packed": lambda: mixed_batch(ds, True, torch.arange(count), sizes[:count], p, budget)}
         dt = alternate(data, args.iters, args.rounds, torch.device("cpu"))
-        rows.append({"setup": setup, "pe": "(data: ms to build one batch)", "same_size_tokens_s": 1000 * statistics.median(dt["same size"]),
+        rows.append({"arch": arch, "setup": setup, "pe": "(data: ms to build one batch)", "same_size_tokens_s": 1000 * statistics.median(dt["same size"]),
                      "packed_tokens_s": 1000 * statistics.median(dt["packed"]), "ratio": float("nan"), "flops_per_token_ratio": float("nan"),
                      "images_packed": count, "rows": packed.patches.shape[0], "fill": packed.num_tokens / packed.patches.shape[:2].numel()})
     return rows
@@ -241,8 +251,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.iters, args.rounds, args.pes, args.keeps, args.epochs = 1, 1, ["rope_mixed"], [1.0, 0.5], 1
-        MAIN.update(embed_dim=32, depth=1, num_heads=2)
-        FMNIST_CPU.update(embed_dim=24, depth=1)
+        for a in ARCHS.values():
+            a.update(embed_dim=24, depth=1, num_heads=2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     speedup = 2.0
