@@ -52,3 +52,13 @@ def test_accuracy_smoke(tmp_path):
     assert load("accuracy").main(["--smoke", "--out", str(tmp_path), "--pes", "none", "--set", "train.lr=0.01"]) == 0
     rows = json.loads((tmp_path / "accuracy.json").read_text())
     assert len(rows) == 6 and sum(r["recipe"]["train"]["lr"] == 0.01 for r in rows) == 2
+
+
+def test_per_image_smoke(tmp_path):
+    assert load("per_image").main(["--smoke", "--parts", "token_keep", "packing", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "per_image.json").read_text())
+    keeps = {(r["arch"], r["token_keep"]) for r in data["token_keep"]}
+    assert len(keeps) == 6 and all(r["img_s"] > 0 for r in data["token_keep"])  # three architectures, r = 1 and 0.5
+    assert {r["setup"] for r in data["packing"]} == {"16-48 px, rows of 144 tokens", "16-32 px, rows of 64 tokens", "16-32 px, rows of 128 tokens"}
+    assert all(0 < r["fill"] <= 1 for r in data["packing"])
+    assert "### packing" in (tmp_path / "per_image.md").read_text()
