@@ -148,6 +148,8 @@ def test_per_image_coordinate_and_packing_errors():
         pack_images([torch.randn(3, 13, 8)], 4, 16)
     with pytest.raises(ValueError, match="token_keep must be in"):
         m(x, token_keep=0.0)
+    with pytest.raises(ValueError, match=r"token_keep must be in \(0, 1\], got 1.5"):
+        pack_images([torch.randn(3, 8, 8)], 4, 16, token_keep=1.5)
     with pytest.raises(ValueError, match="output_fmt='NLC'"):
         m.forward_intermediates(pack_images([torch.randn(3, 8, 8)], 4, 16))
 

@@ -13,7 +13,7 @@ from typing import ClassVar, Literal, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["COORD_MODES", "grid_coords", "cell_coords", "PatchGrid", "TokenGrid", "CoordAugment", "to_2tuple", "snap"]
+__all__ = ["COORD_MODES", "grid_coords", "grid_cells", "cell_coords", "random_keep", "PatchGrid", "TokenGrid", "CoordAugment", "to_2tuple", "snap"]
 
 COORD_MODES = ("interpolate", "extrapolate")
 CoordMode = Literal["interpolate", "extrapolate"]
@@ -63,9 +63,25 @@ def grid_coords(
     """
     h, w = to_2tuple(grid_size, "grid_size")
     ref = (h, w) if ref_grid is None else to_2tuple(ref_grid, "ref_grid")
-    rows, cols = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")  # row-major
-    cells = torch.stack([cols.flatten(), rows.flatten()], dim=-1)
-    return cell_coords(cells, torch.tensor([w, h], device=device), ref, mode, dtype)
+    return cell_coords(grid_cells((h, w), device), torch.tensor([w, h], device=device), ref, mode, dtype)
+
+
+def grid_cells(grid_size: Size2, device: Optional[torch.device] = None) -> Tensor:
+    """Every cell of an ``(h, w)`` token grid in token order (row-major): ``(h*w, 2)`` long ``(column, row)``."""
+    h, w = to_2tuple(grid_size, "grid_size")
+    rows, cols = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+    return torch.stack([cols.flatten(), rows.flatten()], dim=-1)
+
+
+def random_keep(rows: int, n: int, keep: float, generator: Optional[torch.Generator] = None,
+                device: Optional[torch.device] = None) -> Tensor:
+    """Token dropping's draw (FLIP, Li et al. CVPR 2023; NaViT): for each of ``rows`` images of ``n`` tokens, a random
+    ``keep`` fraction of them (at least one), a different subset per image, as indices ``(rows, k)`` in token order."""
+    if not 0 < keep <= 1:
+        raise ValueError(f"token_keep must be in (0, 1], got {keep}")
+    k = max(1, int(round(keep * n)))
+    noise = torch.rand(rows, n, generator=generator, device=generator.device if generator is not None else device)
+    return (noise if device is None else noise.to(device)).argsort(1)[:, :k].sort(1).values
 
 
 def cell_coords(cells: Tensor, sizes: Tensor, ref: Size2, mode: CoordMode = "interpolate", dtype: torch.dtype = torch.float32) -> Tensor:
@@ -221,8 +237,7 @@ class TokenGrid:
                              "use TokenGrid.from_coords")
         h, w = grid.size
         dev = grid.coords.device
-        rows, cols = torch.meshgrid(torch.arange(h, device=dev), torch.arange(w, device=dev), indexing="ij")
-        cells = torch.stack([cols.flatten(), rows.flatten()], -1).expand(batch, -1, -1)
+        cells = grid_cells((h, w), dev).expand(batch, -1, -1)
         sizes = torch.tensor([w, h], device=dev).expand(batch, h * w, 2)
         affine = None if grid.affine is None else torch.tensor(grid.affine, device=dev, dtype=torch.float32).expand(batch, h * w, 4)
         return cls(grid.ref, grid.coords.expand(batch, -1, -1), cells, sizes, grid.mode, affine, canvas=grid.size)
@@ -277,17 +292,10 @@ class TokenGrid:
                                    affine=pick(self.affine), segments=pick(self.segments))
 
     def keep_random(self, keep: float, generator: Optional[torch.Generator] = None) -> "TokenGrid":
-        """A random ``keep`` fraction of each row's tokens (at least one), a different subset per image, in raster
-        order (FLIP, Li et al. CVPR 2023; NaViT's token dropping). One image per row only."""
-        if not 0 < keep <= 1:
-            raise ValueError(f"token_keep must be in (0, 1], got {keep}")
+        """A random ``keep`` fraction of each row's tokens (:func:`random_keep`). One image per row only."""
         if self.segments is not None:
             raise ValueError("token dropping works on one image per row; drop before packing")
-        b, n = self.coords.shape[:2]
-        k = max(1, int(round(keep * n)))
-        noise = torch.rand(b, n, generator=generator, device=None if generator is not None else self.coords.device)
-        index = noise.to(self.coords.device).argsort(1)[:, :k].sort(1).values
-        return self.take(index)
+        return self.take(random_keep(*self.coords.shape[:2], keep, generator, self.coords.device))
 
     def rebased(self, ref: Tuple[int, int], mode: str) -> "TokenGrid":
         """These tokens' coordinates in units of reference grid ``ref`` and coordinate mode ``mode`` (a model's own)."""

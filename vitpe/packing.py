@@ -14,7 +14,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from .coords import Size2, TokenGrid, cell_coords, snap, to_2tuple
+from .coords import Size2, TokenGrid, cell_coords, grid_cells, random_keep, snap, to_2tuple
 
 __all__ = ["Packed", "PackingError", "image_patches", "pack_images", "pack_patches"]
 
@@ -134,14 +134,9 @@ def pack_images(
     items = []
     for i, img in enumerate(images):
         h, w = _grid_of(img, patch_size, i)
-        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-        cells = torch.stack([cols.flatten(), rows.flatten()], -1)
-        patches = image_patches(img, patch_size)
-        if token_keep < 1:
-            if not 0 < token_keep:
-                raise PackingError(f"token_keep must be in (0, 1], got {token_keep}")
-            k = max(1, int(round(token_keep * h * w)))
-            keep = torch.rand(h * w, generator=generator).argsort()[:k].sort().values
+        cells, patches = grid_cells((h, w)), image_patches(img, patch_size)
+        if token_keep != 1:
+            keep = random_keep(1, h * w, token_keep, generator)[0]
             patches, cells = patches[keep], cells[keep]
         items.append((patches, cells, (h, w)))
     return pack_patches(items, max_tokens, patch_size, ref_grid, coord_mode)

@@ -85,8 +85,8 @@ class ImageDataset:
         return resize_images(self.split(train)[0][index], tuple(size))
 
     def aspects(self, train: bool) -> Optional[Tensor]:
-        """Width / height of each sample of a split as it was on disk, when they differ (an image folder); None when
-        every sample has the dataset's native size."""
+        """Width / height of each sample of a split, when they differ (an image folder: the aspect ratio of the copy
+        it keeps, the file's own to a pixel); None when every sample has the dataset's native size."""
         return self._aspects.get(train)
 
     def describe(self) -> Dict:

@@ -6,7 +6,7 @@ from typing import Dict, Tuple
 import torch
 from torch import Tensor
 
-from ..coords import PatchGrid, Size2, to_2tuple
+from ..coords import PatchGrid, Size2, grid_cells, to_2tuple
 from ..pos_embed import PosEmbed
 from ..vit import VisionTransformer
 
@@ -78,8 +78,7 @@ def attention_distance(model: VisionTransformer, images: Tensor) -> Tensor:
     x, pos = model.embed(images)
     p = model.num_prefix_tokens
     h, w = pos.grid.size
-    ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-    centres = torch.stack([xs.flatten(), ys.flatten()], -1).float() * model.patch_size  # pixels
+    centres = grid_cells((h, w)).float() * model.patch_size  # pixels
     dist = torch.cdist(centres, centres).to(images.device)  # (N, N)
     out = []
     inputs = [x, *model.run_blocks(x, pos)][:-1]  # what each block sees
