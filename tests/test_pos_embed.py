@@ -7,7 +7,8 @@ from conftest import ALL_PE
 import vitpe
 from vitpe.pos_embed import functional as PF
 
-FAMILIES = ["none", "sincos2d", "fourier", "fourier_learned", "learned", "rel_bias", "cpb", "rope_axial", "rope_mixed", "peg"]
+FAMILIES = ["none", "sincos2d", "fourier", "fourier_learned", "learned", "rel_bias", "cpb", "fire", "lookhere", "rope_axial",
+            "rope_mixed", "rope_golden", "string", "liere", "comrope", "peg"]
 
 
 def small_vit(pe, img=256, patch=16, **kw):
@@ -29,7 +30,7 @@ def test_every_family_documents_its_paper_and_what_it_acts_on():
 def test_unknown_name_and_option_raise_value_error_naming_valid_ones():
     with pytest.raises(ValueError, match="valid names: none, sincos2d"):
         vitpe.build_pos_embed("sincos3d", dim=32, num_heads=2, ref_grid=4)
-    with pytest.raises(ValueError, match="valid options: coord_mode, theta"):
+    with pytest.raises(ValueError, match="valid options: coord_mode, max_period, min_period, p_rope, scaling, theta"):
         vitpe.build_pos_embed("rope_axial", dim=32, num_heads=2, ref_grid=4, temperature=10)
     with pytest.raises(ValueError, match=r"unknown positional encoding 'rope_mixd' \(did you mean 'rope_mixed'\?\)"):
         vitpe.build_pos_embed("rope_mixd", dim=32, num_heads=2, ref_grid=4)
@@ -68,7 +69,8 @@ def test_runs_forward_and_backward_at_new_resolutions(pe):
 def _encodings(pe, grid):
     """Everything the encoding contributes on ``grid``, as plain tensors."""
     ctx = pe.context(grid)
-    return {k: v for k, v in (("tokens", ctx.tokens), ("bias", ctx.bias), ("cos", ctx.cos), ("sin", ctx.sin)) if v is not None}
+    parts = (("tokens", ctx.tokens), ("bias", ctx.bias), ("cos", ctx.cos), ("sin", ctx.sin), ("mats", ctx.mats), ("mix", ctx.mix))
+    return {k: v for k, v in parts if v is not None}
 
 
 @pytest.mark.parametrize("pe_name", [p for p in ALL_PE if p != "none" and p != "peg"])

@@ -13,10 +13,10 @@ from typing import ClassVar, Literal, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["COORD_MODES", "grid_coords", "grid_cells", "cell_coords", "random_keep", "PatchGrid", "TokenGrid", "CoordAugment", "to_2tuple", "snap"]
+__all__ = ["COORD_MODES", "grid_coords", "grid_cells", "cell_coords", "random_keep", "PatchGrid", "TokenGrid", "CoordAugment", "to_2tuple", "snap", "patch_units"]
 
-COORD_MODES = ("interpolate", "extrapolate")
-CoordMode = Literal["interpolate", "extrapolate"]
+COORD_MODES = ("interpolate", "extrapolate", "normalize")
+CoordMode = Literal["interpolate", "extrapolate", "normalize"]
 Size2 = Union[int, Sequence[int]]
 
 
@@ -43,7 +43,7 @@ def _spacing(n: int, ref: int, mode: str) -> float:
     """Distance between neighbouring patch centres of an ``n``-patch axis, in reference patches (see :func:`cell_coords`)."""
     if mode not in COORD_MODES:
         raise ValueError(f"unknown coord mode {mode!r}; expected one of {COORD_MODES}")
-    return ref / n if mode == "interpolate" else 1.0
+    return ref / n if mode == "interpolate" else 2.0 / n if mode == "normalize" else 1.0
 
 
 def grid_coords(
@@ -59,7 +59,9 @@ def grid_coords(
     ``mode="interpolate"``: ``x_j = (j + 0.5) * ref_w / w - 0.5`` -- the new grid spans the reference
     grid's extent, more (or less) densely. ``mode="extrapolate"``: ``x_j = j`` -- positions beyond the
     trained range (as RoPE-ViT, Heo et al. 2024, evaluates). Both give the integer grid at the reference
-    size. ``ref_grid=None`` means the grid is its own reference.
+    size. ``mode="normalize"``: ``x_j = 2 (j + 0.5) / w - 1`` -- patch centres in the fixed box ``[-1, 1]``
+    whatever the size (DINOv3, Simeoni et al. 2025, "separate" normalisation; NaViT's and CAPE's frame), so a
+    larger image is a denser grid in the same range. ``ref_grid=None`` means the grid is its own reference.
     """
     h, w = to_2tuple(grid_size, "grid_size")
     ref = (h, w) if ref_grid is None else to_2tuple(ref_grid, "ref_grid")
@@ -90,7 +92,8 @@ def cell_coords(cells: Tensor, sizes: Tensor, ref: Size2, mode: CoordMode = "int
     ``cells`` ``(..., 2)`` ``(column, row)`` and ``sizes`` ``(..., 2)`` ``(w, h)`` of each token's image grid (any
     leading shape, broadcasting: a packed row mixes images of different sizes); ``ref`` ``(h, w)``. Returns ``(..., 2)``
     ``(x, y)`` (computed in float64, returned as ``dtype``): ``(c + 0.5) * ref / n - 0.5`` per axis in interpolate mode (the half-pixel convention of
-    ``F.interpolate(align_corners=False)``: ``n`` patches span the reference extent), ``c`` in extrapolate mode.
+    ``F.interpolate(align_corners=False)``: ``n`` patches span the reference extent), ``c`` in extrapolate mode,
+    ``2 (c + 0.5) / n - 1`` in normalize mode (DINOv3's box ``[-1, 1]``, independent of the reference grid).
     """
     rh, rw = to_2tuple(ref, "ref_grid")
     c, n = cells.to(torch.float64), sizes.to(torch.float64)
@@ -99,6 +102,8 @@ def cell_coords(cells: Tensor, sizes: Tensor, ref: Size2, mode: CoordMode = "int
         return (c * scale + (0.5 * scale - 0.5)).to(dtype)
     if mode == "extrapolate":
         return c.to(dtype)
+    if mode == "normalize":
+        return ((2 * c + 1) / n - 1).to(dtype)
     raise ValueError(f"unknown coord mode {mode!r}; expected one of {COORD_MODES}")
 
 
@@ -150,8 +155,21 @@ class PatchGrid:
 
     @property
     def is_reference(self) -> bool:
-        """True when the coordinates are exactly the reference grid's integer lattice."""
-        return self.key is not None and self.size == self.ref and self.spacing == (1.0, 1.0)
+        """True when this is the reference grid itself, unaugmented (in any coordinate mode): tables learned there
+        (``learned``, ``rel_bias``) are then used exactly as trained."""
+        return self.key is not None and self.size == self.ref and self.mode is not None
+
+    def extent(self) -> Tensor:
+        """``(2,)`` ``(w, h)`` the image spans in coordinate units (patches times spacing, augmentation's scale
+        included): the reference extent in interpolate mode, the grid's own in extrapolate mode, 2 in normalize mode.
+        The normaliser of FIRE, and the length ratio that RoPE's extrapolation controls read. Coordinates given
+        directly (no mode) span ``(n - 1)`` spacings of an ``n``-patch axis, so their extent is ``span * n / (n - 1)``."""
+        if self.mode is None:
+            n = torch.tensor([self.size[1], self.size[0]], device=self.coords.device, dtype=torch.float32)
+            span = self.coords.amax(0) - self.coords.amin(0)
+            return torch.where(n > 1, span * n / (n - 1).clamp(min=1), torch.ones_like(n))
+        return _extent(torch.tensor([self.size[1], self.size[0]], device=self.coords.device), self.ref, self.mode,
+                       None if self.affine is None else torch.tensor(self.affine[:2], device=self.coords.device))
 
     def transformed(self, sx: float, sy: float, tx: float, ty: float) -> "PatchGrid":
         """Scale by ``(sx, sy)`` about the grid centre, then shift by ``(tx, ty)``: still a lattice, not cached."""
@@ -176,6 +194,27 @@ class PatchGrid:
             )
         grid = PatchGrid.create(self.size, self.ref, mode, device=self.coords.device)
         return grid if self.affine is None else grid.transformed(*self.affine)
+
+
+def _extent(sizes: Tensor, ref: Tuple[int, int], mode: Optional[str], scale: Optional[Tensor] = None) -> Tensor:
+    """``(..., 2)`` ``(w, h)`` extent in coordinate units of images whose grids are ``sizes`` ``(..., 2)`` ``(w, h)``."""
+    if mode is None:
+        raise ValueError("these coordinates were given directly, so their image extent is unknown; build the grid with "
+                         "PatchGrid.create or a TokenGrid with cells and sizes")
+    n = sizes.to(torch.float32)
+    ref_wh = torch.tensor([ref[1], ref[0]], device=n.device, dtype=torch.float32)
+    out = {"interpolate": ref_wh.expand_as(n), "extrapolate": n, "normalize": torch.full_like(n, 2.0)}[mode]
+    return out if scale is None else out * scale.to(out)
+
+
+def patch_units(x: Tensor, grid: Union["PatchGrid", "TokenGrid"], offsets: bool = False) -> Tensor:
+    """Coordinates ``x`` ``(..., 2)`` of ``grid`` (or, ``offsets=True``, differences of them) in reference patches:
+    the unit of tables learned on the reference grid (``learned``, ``rel_bias``, ``cpb``). Only normalize mode differs:
+    its box ``[-1, 1]`` spans the reference grid, so ``x_patch = (x + 1) ref / 2 - 0.5``."""
+    if grid.mode != "normalize":
+        return x
+    half = torch.tensor([grid.ref[1] / 2, grid.ref[0] / 2], device=x.device, dtype=x.dtype)
+    return x * half if offsets else (x + 1) * half - 0.5
 
 
 def _affine(coords: Tensor, centre: Tensor, affine: Tensor) -> Tensor:
@@ -251,6 +290,12 @@ class TokenGrid:
             raise ValueError("these per-image coordinates were given directly (TokenGrid.from_coords): they have no grid")
         w, h = self.sizes.flatten(0, 1).amax(0).tolist()
         return int(h), int(w)
+
+    def extent(self) -> Tensor:
+        """``(B, N, 2)`` each token's image extent ``(w, h)`` in coordinate units (see :meth:`PatchGrid.extent`)."""
+        if self.sizes is None:
+            return _extent(self.coords[..., :0], self.ref, None)
+        return _extent(self.sizes, self.ref, self.mode, None if self.affine is None else self.affine[..., :2])
 
     def _centres(self) -> Tensor:
         """Each token's image centre in this grid's coordinate mode (what rescaling is about)."""

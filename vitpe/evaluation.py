@@ -5,6 +5,7 @@
     python eval.py runs/A --resolutions 32x48 --coord-mode both       # non-square; both coordinate modes
     python eval.py runs/A --resolutions 32 64 128 --route both         # new grid, or FlexiViT's resized patches
     python eval.py runs/A --native                                     # also every image at its own aspect ratio
+    python eval.py runs/A --coord-mode extrapolate --rope-scaling yarn # RoPE extrapolation: pi, ntk or yarn
 
 The model is rebuilt from the checkpoint alone. ``shapes`` is rendered natively at each resolution;
 other data is resized (antialiased). Results go to RUN/eval-TIMESTAMP/ (or --out): results.json,
@@ -28,6 +29,8 @@ from vitpe.coords import COORD_MODES, snap
 from vitpe.data import load_dataset
 from vitpe.engine import amp_dtype, evaluate, evaluate_native, resolve_device
 from vitpe.errors import run_cli
+from vitpe.pos_embed import set_rope_extrapolation
+from vitpe.pos_embed.functional import ROPE_SCALINGS
 from vitpe.runs import write_csv
 
 DEFAULT_SCALES = (0.5, 0.75, 1.0, 1.5, 2.0)
@@ -62,8 +65,14 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--data", help="dataset to evaluate on (default: each run's own)")
     p.add_argument("--data-dir", help="dataset directory (default: each run's own, else ./data)")
     p.add_argument("--test-size", type=positive_int, help="evaluate on the first N test images")
-    p.add_argument("--coord-mode", choices=["checkpoint", *COORD_MODES, "both"], default="checkpoint",
-                   help="patch coordinates at new resolutions (default: what each run was trained with)")
+    p.add_argument("--coord-mode", choices=["checkpoint", *COORD_MODES, "both", "all"], default="checkpoint",
+                   help="patch coordinates at new resolutions (default: what each run was trained with; both: "
+                        "interpolate and extrapolate; all: every mode)")
+    p.add_argument("--rope-scaling", choices=ROPE_SCALINGS,
+                   help="RoPE extrapolation at new resolutions for rotary encodings (default: as trained): pi, ntk, yarn; "
+                        "they act where extrapolate-mode coordinates go beyond the trained extent")
+    p.add_argument("--p-rope", type=float, metavar="FRACTION",
+                   help="leave this fraction of each head's lowest RoPE frequencies unrotated (p-RoPE; default: as trained)")
     p.add_argument("--route", choices=["coords", "patch", "both"], default="coords",
                    help="meet a new resolution with new coordinates on a new token grid (coords), or by resizing the "
                         "patch embedding to keep the trained grid (patch: FlexiViT's PI-resize)")
@@ -167,17 +176,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         if ds.num_classes != model.num_classes or ds.in_chans != model.in_chans:
             raise ConfigError(f"{ckpt} was trained for {model.num_classes} classes / {model.in_chans} channels, but {name} has "
                               f"{ds.num_classes} / {ds.in_chans}; evaluate it on its own dataset ({cfg.data.name})")
-        modes = {"checkpoint": [cfg.model.coord_mode], "both": list(COORD_MODES)}.get(args.coord_mode, [args.coord_mode])
+        modes = {"checkpoint": [cfg.model.coord_mode], "both": ["interpolate", "extrapolate"], "all": list(COORD_MODES)}.get(args.coord_mode, [args.coord_mode])
+        controls = ""
+        if args.rope_scaling is not None or args.p_rope is not None:
+            try:
+                set_rope_extrapolation(model, args.rope_scaling, args.p_rope)
+            except ValueError as e:
+                raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
+            controls = "".join(f" [{k} {v}]" for k, v in (("rope", args.rope_scaling), ("p-rope", args.p_rope)) if v is not None)
         dtype = amp_dtype(cfg.train.amp, device)
         variants = [(m, r) for r in routes for m in (modes if r == "coords" else modes[:1])]  # patch route: the trained grid
         for mode, route in variants:
-            label = cfg.model.pos_embed + (f" ({mode})" if len(modes) > 1 or args.coord_mode != "checkpoint" else "")
+            label = cfg.model.pos_embed + (f" ({mode})" if len(modes) > 1 or args.coord_mode != "checkpoint" else "") + controls
             label += " (patch resize)" if route == "patch" else ""
             if any(r["label"] == label and r["run"] != str(ckpt) for r in rows):
                 label = f"{label} [{Path(ckpt).name}]"
             plan = [(mode, route, hw) for hw in resolutions] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
             for row in evaluate_at(model, ds, plan, device, dtype, args.batch_size, label):
                 rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": name,
+                             "rope_scaling": args.rope_scaling, "p_rope": args.p_rope,
                              "train_size": train_size, "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
 
     first = Path(args.checkpoints[0])

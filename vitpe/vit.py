@@ -51,7 +51,8 @@ def attend(
     bias = None
     if pos is not None:
         q, k = pos.rotate(q, k, layer)
-        bias = pos.mask if pos.mask is None or pos.mask.dtype == torch.bool else pos.mask.to(q.dtype)  # bool: packed rows
+        bias = pos.mask_at(layer)
+        bias = bias if bias is None or bias.dtype == torch.bool else bias.to(q.dtype)  # bool: packed rows
     if num_queries is not None:
         q = q[:, :, :num_queries]
         bias = None if bias is None else bias[..., :num_queries, :]
@@ -98,11 +99,12 @@ class Attention(nn.Module):
         if pos is not None:
             q, k = pos.rotate(q, k, layer)
         logits = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-        if pos is None or pos.mask is None:
+        mask = None if pos is None else pos.mask_at(layer)
+        if mask is None:
             return logits
-        if pos.mask.dtype == torch.bool:
-            return logits.masked_fill(~pos.mask, float("-inf"))
-        return logits + pos.mask.to(logits.dtype)
+        if mask.dtype == torch.bool:
+            return logits.masked_fill(~mask, float("-inf"))
+        return logits + mask.to(logits.dtype)
 
 
 class DropPath(nn.Module):
@@ -226,7 +228,7 @@ class VisionTransformer(nn.Module):
         class_token: bool = True,
         num_reg_tokens: int = 0,
         pool: Literal["cls", "mean"] = "cls",
-        coord_mode: Literal["interpolate", "extrapolate"] = "interpolate",
+        coord_mode: Literal["interpolate", "extrapolate", "normalize"] = "interpolate",
         coord_aug: Optional[Dict[str, float]] = None,
         qkv_bias: bool = True,
         drop_rate: float = 0.0,

@@ -17,10 +17,11 @@ from .functional import (
     sincos_1d,
     sincos_2d,
 )
-from .registry import CombinedPosEmbed, build_pos_embed, list_pos_embeds, pos_embed_options, register_pos_embed
+from .registry import CombinedPosEmbed, build_pos_embed, list_pos_embeds, pos_embed_options, register_pos_embed, set_rope_extrapolation
 
 # Importing the families registers them; the order here is the order list_pos_embeds() reports.
 from .additive import FourierPosEmbed, LearnedFourierPosEmbed, LearnedPosEmbed, NoPosEmbed, SinCos2d
-from .bias import ContinuousPositionBias, RelativePositionBias
-from .rotary import RopeAxial, RopeMixed
+from .bias import ContinuousPositionBias, FIRE, LookHere, RelativePositionBias
+from .rotary import RopeAxial, RopeGolden, RopeMixed, RopeString, RotaryPosEmbed
+from .lie import ComRoPE, LieRE
 from .conditional import PEG

@@ -9,7 +9,7 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.nn.init import trunc_normal_
 
-from ..coords import PatchGrid, Size2
+from ..coords import PatchGrid, Size2, patch_units
 from .base import PosEmbed
 from .functional import fourier_features, sincos_2d
 from .registry import register_pos_embed
@@ -122,14 +122,14 @@ class LearnedPosEmbed(PosEmbed):
         if grid.is_reference:
             return self.table.flatten(2)[0].t()  # (N, dim): exactly the trained table
         if self.antialias:
-            if grid.batched or grid.mode != "interpolate" or grid.affine is not None:
+            if grid.batched or grid.mode not in ("interpolate", "normalize") or grid.affine is not None:
                 raise ValueError(
                     "learned.antialias=True resizes the table to the whole grid (timm's resample), which needs plain "
                     f"interpolate-mode coordinates; got coord mode {grid.mode} {'with augmentation' if grid.affine else ''}".rstrip()
                 )
             return F.interpolate(self.table, size=grid.size, mode="bicubic", antialias=True, align_corners=False).flatten(2)[0].t()
         rh, rw = self.ref_grid
-        c = grid.coords.to(self.table.device)  # (..., N, 2)
+        c = patch_units(grid.coords.to(self.table.device), grid)  # (..., N, 2)
         # grid_sample(align_corners=False) puts pixel j's centre at normalised (2j + 1) / size - 1.
         norm = torch.stack([(2 * c[..., 0] + 1) / rw - 1, (2 * c[..., 1] + 1) / rh - 1], dim=-1)
         out = F.grid_sample(

@@ -6,7 +6,12 @@ A PE answers up to four questions about a :class:`~vitpe.coords.PatchGrid`; the 
 - ``tokens(grid)``: ``(N, dim)`` added to the patch tokens (absolute encodings);
 - ``bias(grid)``: ``(heads, N, N)`` added to the attention logits (relative encodings);
 - ``rope_angles(grid)``: ``(L|1, heads|1, N, head_dim/2)`` rotation angles for q and k (rotary);
+- ``rope_rotations(grid)``: ``(L|1, heads|1, N, K, b, b)`` block rotation matrices for q and k (LieRE, ComRoPE);
+- ``rope_mix()``: ``(heads, head_dim, head_dim)`` an orthogonal map applied to q and k before rotating (STRING);
+- ``rope_magnitude(grid)``: ``(N,)`` a factor on q and k per token (YaRN's temperature);
 - ``condition(layer, x, grid)``: a function of the tokens themselves after block ``layer`` (conditional).
+
+``bias(grid)`` may also be per layer, ``(L, heads, N, N)`` (LookHere's layer slopes).
 
 The grid is a :class:`~vitpe.coords.PatchGrid` shared by the batch (the shapes above, cached), or a
 :class:`~vitpe.coords.TokenGrid` with coordinates per image ``(B, N, 2)``: then every answer gains a leading batch
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..coords import PatchGrid, Size2, to_2tuple
-from .functional import rotate_complex, rotate_pairs
+from .functional import rotate_blocks, rotate_complex, rotate_pairs
 
 __all__ = ["PosEmbed", "PosContext"]
 
@@ -51,10 +56,14 @@ class PosContext:
     cos: Optional[Tensor] = None
     sin: Optional[Tensor] = None
     rot: Optional[Tensor] = None  # cos + i sin, for float32/float64: the faster complex-product rotation
+    mats: Optional[Tensor] = None  # (L|1, [B], heads|1, T, K, b, b) block rotations, instead of cos/sin
+    mix: Optional[Tensor] = None  # (heads, head_dim, head_dim) orthogonal map before the rotation
     conditional: Optional["PosEmbed"] = None
     condition_layers: FrozenSet[int] = frozenset()
     mask: Optional[Tensor] = None
+    mask_per_layer: bool = False  # mask is (L, ...): one per block
     _layers: Optional[tuple] = field(default=None, repr=False)
+    _masks: Optional[tuple] = field(default=None, repr=False)
 
     def add_tokens(self, x: Tensor) -> Tensor:
         """``x``: ``(B, N, dim)`` patch tokens (no prefix)."""
@@ -62,17 +71,32 @@ class PosContext:
 
     def rotate(self, q: Tensor, k: Tensor, layer: int) -> Tuple[Tensor, Tensor]:
         """``q, k``: ``(B, heads, T, head_dim)``."""
-        if self.cos is None:
+        if self.mix is not None:
+            mix = self.mix.to(q.dtype).transpose(-1, -2)
+            q, k = q @ mix, k @ mix
+        first = self.cos if self.mats is None else self.mats
+        if first is None:
             return q, k
-        i = min(layer, self.cos.shape[0] - 1)
+        i = min(layer, first.shape[0] - 1)
         if self._layers is None:
             # One split for all blocks: indexing [i] in each block would make autograd build a zero tensor of the full
             # (L, B, heads, T, P) per block in backward; unbind's backward is a single stack.
-            self._layers = tuple(t.unbind(0) if t is not None else None for t in (self.rot, self.cos, self.sin))
-        rot, cos, sin = (t if t is None else t[i] for t in self._layers)
+            self._layers = tuple(t.unbind(0) if t is not None else None for t in (self.rot, self.cos, self.sin, self.mats))
+        rot, cos, sin, mats = (t if t is None else t[i] for t in self._layers)
+        if mats is not None:
+            mats = mats.to(q.dtype)
+            return rotate_blocks(q, mats), rotate_blocks(k, mats)
         if rot is not None and q.dtype == k.dtype == self.cos.dtype:
             return rotate_complex(q, rot), rotate_complex(k, rot)
         return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)  # half precision: complex32 is not supported everywhere
+
+    def mask_at(self, layer: int) -> Optional[Tensor]:
+        """What block ``layer`` adds to its attention logits (``None``: nothing): the float bias, or a bool mask."""
+        if not self.mask_per_layer:
+            return self.mask
+        if self._masks is None:
+            self._masks = self.mask.unbind(0)  # one split, as in rotate
+        return self._masks[min(layer, len(self._masks) - 1)]
 
     def after_block(self, layer: int, x: Tensor) -> Tensor:
         """``x``: ``(B, T, dim)``; applies a conditional encoding to the patch tokens only."""
@@ -91,6 +115,25 @@ def _same_image(segments: Tensor, num_prefix: int, images_per_row: int) -> Tenso
     slots = torch.arange(images_per_row, device=segments.device).repeat_interleave(per)[None]  # (1, K * per)
     ids = torch.cat([torch.where(slots < used, slots, -1), segments], 1)  # (B, T)
     return (ids[:, :, None] == ids[:, None, :])[:, None]
+
+
+def _layers_first(t: Tensor, batched: bool, extra: int = 0) -> Tensor:
+    """Rotary tables ``([B], [L], [heads], N, P)`` (``extra`` more trailing dimensions for matrices) as
+    ``(L, [B], heads, N, P)``: the block picks its layer first."""
+    core = 2 + extra  # N, P (and the matrix dimensions)
+    if batched:
+        while t.dim() < 3 + core:
+            t = t.unsqueeze(1)
+        t = t.transpose(0, 1)
+    while t.dim() < 2 + core:
+        t = t.unsqueeze(0)
+    return t
+
+
+def _per_token(m: Tensor, batched: bool, extra: int) -> Tensor:
+    """A per-token factor ``([B], T)`` shaped to multiply ``(L, [B], heads, T, *extra)`` tables."""
+    m = m[:, None] if batched else m  # ([B], 1 heads, T)
+    return m.reshape(*m.shape, *([1] * extra))
 
 
 class PosEmbed(nn.Module):
@@ -122,6 +165,20 @@ class PosEmbed(nn.Module):
         return None
 
     def rope_angles(self, grid: PatchGrid) -> Optional[Tensor]:
+        return None
+
+    def rope_rotations(self, grid: PatchGrid) -> Optional[Tensor]:
+        return None
+
+    @property
+    def rotary(self) -> bool:
+        """Whether this encoding rotates q and k (then it takes the extrapolation controls ``scaling``, ``p_rope``)."""
+        return type(self).rope_angles is not PosEmbed.rope_angles or type(self).rope_rotations is not PosEmbed.rope_rotations
+
+    def rope_mix(self) -> Optional[Tensor]:
+        return None
+
+    def rope_magnitude(self, grid: PatchGrid) -> Optional[Tensor]:
         return None
 
     def condition_layers(self) -> FrozenSet[int]:
@@ -191,23 +248,35 @@ class PosEmbed(nn.Module):
         tokens = self.tokens(own)
         bias = self.bias(own)
         angles = self.rope_angles(own)
+        mats = self.rope_rotations(own)
+        mix = self.rope_mix()
+        magnitude = self.rope_magnitude(own)
         ctx = PosContext(grid, num_prefix, conditional=self, condition_layers=self.condition_layers())
         if tokens is not None:
             ctx.tokens = tokens.to(dtype)
         if bias is not None:
+            ctx.mask_per_layer = bias.dim() == 4 + grid.batched  # (L, [B], heads, N, N)
             ctx.mask = ctx.bias = F.pad(bias, (num_prefix, 0, num_prefix, 0)).to(dtype)  # prefix rows/cols: 0
         if grid.batched and grid.segments is not None:
             same = _same_image(grid.segments, num_prefix, grid.images_per_row)
             ctx.mask = same if ctx.bias is None else ctx.bias.masked_fill(~same, float("-inf"))
+        if mix is not None:
+            ctx.mix = mix.to(dtype)
+        if magnitude is not None:  # (.., N): prefix tokens take their row's first patch token's factor
+            magnitude = torch.cat([magnitude[..., :1].expand(*magnitude.shape[:-1], num_prefix), magnitude], -1)
+        if mats is not None:
+            mats = _layers_first(mats, grid.batched, extra=2)  # (L, [B], heads, N, K, b, b)
+            eye = torch.eye(mats.shape[-1], device=mats.device, dtype=mats.dtype).expand(*mats.shape[:-4], num_prefix, *mats.shape[-3:])
+            ctx.mats = torch.cat([eye, mats], -4).to(dtype)  # prefix tokens: the identity
+            if magnitude is not None:
+                ctx.mats = ctx.mats * _per_token(magnitude, grid.batched, extra=3).to(dtype)
         if angles is not None:
-            if grid.batched:  # (B, [L], [heads], N, P) -> (L, B, heads, N, P): the block picks its layer first
-                while angles.dim() < 5:
-                    angles = angles.unsqueeze(1)
-                angles = angles.transpose(0, 1)
-            while angles.dim() < 4:
-                angles = angles.unsqueeze(0)
+            angles = _layers_first(angles, grid.batched)
             angles = F.pad(angles, (0, 0, num_prefix, 0))  # prefix tokens: angle 0, the identity
             ctx.cos, ctx.sin = angles.cos().to(dtype), angles.sin().to(dtype)
+            if magnitude is not None:
+                m = _per_token(magnitude, grid.batched, extra=1).to(dtype)
+                ctx.cos, ctx.sin = ctx.cos * m, ctx.sin * m
             if dtype in (torch.float32, torch.float64):
                 ctx.rot = torch.complex(ctx.cos, ctx.sin)
         return ctx

@@ -1,4 +1,4 @@
-"""Relative encodings added to the attention logits: Swin's bias table and Swin-V2's continuous bias."""
+"""Relative encodings added to the attention logits: Swin's bias table, Swin-V2's continuous bias, FIRE, LookHere."""
 from __future__ import annotations
 
 from typing import Dict, Tuple
@@ -7,25 +7,35 @@ import torch
 from torch import Tensor, nn
 from torch.nn.init import trunc_normal_
 
-from ..coords import PatchGrid, Size2
+from ..coords import PatchGrid, Size2, patch_units
 from .base import PosEmbed
-from .functional import lattice_offsets, log_spaced, relative_offsets, relative_position_index, sample_bias_table
+from .functional import (
+    fire_features,
+    lattice_offsets,
+    log_spaced,
+    lookhere_bias,
+    lookhere_directions,
+    relative_offsets,
+    relative_position_index,
+    sample_bias_table,
+)
 from .registry import register_pos_embed
 
-__all__ = ["RelativePositionBias", "ContinuousPositionBias"]
+__all__ = ["RelativePositionBias", "ContinuousPositionBias", "FIRE", "LookHere"]
 
 
 def _offsets_and_index(pe: PosEmbed, grid: PatchGrid) -> Tuple[Tensor, Tensor | None]:
-    """Offsets at which a bias function must be evaluated, and how to spread them over ``(N, N)``.
+    """Offsets (in reference patches) at which a bias function must be evaluated, and how to spread them over ``(N, N)``.
 
     On a uniform lattice there are only ``(2h-1)(2w-1)`` distinct offsets, gathered by Swin's index;
     for irregular or per-image coordinates every pair is evaluated (``index`` is None): ``(..., N, N, 2)``.
     """
     if grid.spacing is None:
-        return relative_offsets(grid.coords), None
+        return patch_units(relative_offsets(grid.coords), grid, offsets=True), None
 
     def build():
-        return lattice_offsets(grid.size, grid.spacing, grid.coords.device), relative_position_index(grid.size).to(grid.coords.device)
+        offsets = patch_units(lattice_offsets(grid.size, grid.spacing, grid.coords.device), grid, offsets=True)
+        return offsets, relative_position_index(grid.size).to(grid.coords.device)
 
     return pe.memo(grid, "lattice", build)
 
@@ -99,3 +109,71 @@ class ContinuousPositionBias(PosEmbed):
         if bad:
             raise ValueError(f"Swin-V2 cpb_mlp does not fit this cpb (hidden_dim, num_heads): {bad[0]}")
         return out
+
+
+def _pairwise(pe: PosEmbed, grid: PatchGrid) -> Tuple[Tensor, Tensor | None, Tensor]:
+    """:func:`_offsets_and_index` plus each query's image extent (the normaliser), in reference patches:
+    ``(2,)`` for a shared grid, ``(B, N, 1, 2)`` per image."""
+    offsets, index = _offsets_and_index(pe, grid)
+    extent = patch_units(grid.extent(), grid, offsets=True)
+    return offsets, index, (extent[:, :, None] if grid.batched else extent)
+
+
+@register_pos_embed("fire")
+class FIRE(PosEmbed):
+    """FIRE, functional interpolation for relative positions (Li et al., ICLR 2024), in 2D as the ViT resolution
+    studies use it: ``bias = MLP(psi(d) / psi(extent))`` per axis, ``psi(d) = sign(d) log(c |d| + 1)`` with ``c`` learned.
+    The normaliser is the image's extent, so the MLP's input stays in ``[-1, 1]`` at any size: a larger image is a
+    denser, not a wider, range of inputs, never an offset the MLP has not seen. One MLP for all blocks (as ``cpb``)."""
+
+    acts_on = "attention logits"
+
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, hidden_dim: int = 32, c: float = 1.0) -> None:
+        super().__init__(dim, num_heads, ref_grid, depth)
+        if c <= 0:
+            raise ValueError(f"fire c must be positive, got {c}")
+        self.log_c = nn.Parameter(torch.tensor(float(c)).log())  # c > 0 by construction
+        self.mlp = nn.Sequential(nn.Linear(2, hidden_dim), nn.ReLU(inplace=True), nn.Linear(hidden_dim, num_heads))
+
+    def bias(self, grid: PatchGrid) -> Tensor:
+        offsets, index, extent = _pairwise(self, grid)
+        weight = self.mlp[0].weight
+        feats = fire_features(offsets.to(weight), extent.to(weight), self.log_c.exp())
+        return _spread(self.mlp(feats), index)
+
+
+@register_pos_embed("lookhere")
+class LookHere(PosEmbed):
+    """LookHere (Fuller et al., "LookHere: Vision Transformers with Directed Attention Generalize and Extrapolate",
+    NeurIPS 2024): each head sees only a field of view of ``fov`` degrees (180: half-planes, 90: quadrant cones, 45:
+    eighths) pointing up, down, left or right (and the diagonals under 90 degrees), and pays a distance penalty
+    ``global_slope * layer_slope * head_slope * distance`` (reference patches). Head slopes halve every group of
+    directions (``2^-1, 2^-2, ...``), layer slopes run linearly from ``layer_slopes[0]`` in the first block to
+    ``layer_slopes[1]`` in the last. Fixed, nothing learned; interpolate-mode coordinates keep distances in the
+    trained range at any size."""
+
+    acts_on = "attention logits"
+
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, fov: float = 180.0,
+                 global_slope: float = 1.0, layer_slopes: Tuple[float, float] = (1.5, 0.5)) -> None:
+        super().__init__(dim, num_heads, ref_grid, depth)
+        if not 0 < fov <= 360:
+            raise ValueError(f"lookhere fov must be in (0, 360] degrees, got {fov}")
+        if len(layer_slopes) != 2:
+            raise ValueError(f"lookhere layer_slopes must be (first block, last block), got {layer_slopes!r}")
+        self.fov, self.global_slope, self.layer_slopes = float(fov), float(global_slope), tuple(float(s) for s in layer_slopes)
+        directions = lookhere_directions(num_heads, fov)
+        groups = torch.arange(num_heads) // (4 if fov >= 90 else 8)
+        slopes = global_slope * torch.linspace(*self.layer_slopes, depth)[:, None] * 2.0 ** -(1 + groups.float())
+        self.register_buffer("directions", directions, persistent=False)  # (H, 2)
+        self.register_buffer("slopes", slopes, persistent=False)  # (L, H)
+
+    def bias(self, grid: PatchGrid) -> Tensor:
+        def build():
+            offsets, index = _offsets_and_index(self, grid)
+            values = lookhere_bias(offsets.to(self.slopes), self.directions, self.fov, self.slopes)  # (L, ..., H)
+            if index is not None:
+                values = values.flatten(1, 2)[:, index]  # (L, N, N, H)
+            return values.movedim(-1, -3)  # (L, [B], H, N, N)
+
+        return self.memo(grid, "bias", build)

@@ -28,6 +28,20 @@ __all__ = [
     "lattice_offsets",
     "log_spaced",
     "sample_bias_table",
+    "period_rope_freqs",
+    "golden_directions",
+    "golden_rope_freqs",
+    "ROPE_SCALINGS",
+    "rope_freq_scale",
+    "yarn_temperature",
+    "p_rope_keep",
+    "skew",
+    "generator_rotations",
+    "rotate_blocks",
+    "cayley",
+    "fire_features",
+    "lookhere_directions",
+    "lookhere_bias",
 ]
 
 
@@ -185,3 +199,170 @@ def sample_bias_table(table: Tensor, offsets: Tensor, ref: Tuple[int, int], mode
     grid = torch.stack([gx, gy], dim=-1).reshape(1, 1, -1, 2).to(img.dtype)
     out = F.grid_sample(img, grid, mode=mode, padding_mode="border", align_corners=True)  # (1, H, 1, M)
     return out[0, :, 0].t().reshape(*offsets.shape[:-1], -1)
+
+
+# ---- rotary frequencies of the 2024-26 families, and their extrapolation controls ------------------------------
+
+def period_rope_freqs(head_dim: int, min_period: float, max_period: float) -> Tensor:
+    """DINOv3's axial RoPE spectrum (Simeoni et al. 2025): ``(2, head_dim/2)`` like :func:`axial_rope_freqs`, with
+    ``head_dim/4`` periods geometric from ``min_period`` to ``max_period`` (in coordinate units: DINOv3 reads them in
+    its box ``[-1, 1]``), frequency ``2 pi / period``. Its ``base`` form is ``axial_rope_freqs(head_dim, base) * 2 pi``."""
+    if head_dim % 4:
+        raise ValueError(f"2D RoPE needs head_dim divisible by 4, got {head_dim}")
+    if not 0 < min_period <= max_period:
+        raise ValueError(f"rope periods need 0 < min_period <= max_period, got {min_period}, {max_period}")
+    periods = min_period * (max_period / min_period) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float64)
+    mag = (2 * math.pi / periods).float()
+    zero = torch.zeros_like(mag)
+    return torch.stack([torch.cat([mag, zero]), torch.cat([zero, mag])])
+
+
+def golden_directions(n: int, dim: int = 2) -> Tensor:
+    """``n`` unit vectors in ``dim`` dimensions from the generalised golden-ratio (Kronecker, R_d) low-discrepancy
+    sequence pushed through the Gaussian inverse CDF: ``(n, dim)``, evenly spread, never axis-aligned in blocks."""
+    g = 2.0
+    for _ in range(30):  # the unique positive root of x^(d+1) = x + 1
+        g = (1 + g) ** (1 / (dim + 1))
+    alpha = g ** -torch.arange(1, dim + 1, dtype=torch.float64)
+    z = torch.remainder(torch.arange(1, n + 1, dtype=torch.float64)[:, None] * alpha, 1.0)
+    v = torch.erfinv(2 * z - 1)
+    return (v / v.norm(dim=-1, keepdim=True)).float()
+
+
+def golden_rope_freqs(head_dim: int, num_heads: int, min_freq: float, max_freq: float) -> Tensor:
+    """Golden-Gate RoPE (Xiong 2025, "N-dimensional RoPE"; vit-pytorch's ``GoldenGateRoPENd``): ``(2, heads, head_dim/2)``.
+    Pair ``f`` of head ``h`` turns along direction ``golden_directions[h * P + f]`` with magnitude geometric from
+    ``min_freq`` to ``max_freq`` (radians per coordinate unit): every pair its own direction, isotropic, not axial."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    if not 0 < min_freq <= max_freq:
+        raise ValueError(f"rope_golden needs 0 < min_freq <= max_freq, got {min_freq}, {max_freq}")
+    p = head_dim // 2
+    mag = min_freq * (max_freq / min_freq) ** torch.linspace(0, 1, p, dtype=torch.float64)
+    dirs = golden_directions(num_heads * p).reshape(num_heads, p, 2)  # (H, P, 2)
+    return (dirs * mag.float()[:, None]).permute(2, 0, 1).contiguous()  # (2, H, P)
+
+
+ROPE_SCALINGS = ("none", "pi", "ntk", "yarn")
+
+
+def rope_freq_scale(freqs: Tensor, ratio: Tensor, method: str, ref_extent: Tensor,
+                    yarn_alpha: float = 1.0, yarn_beta: float = 32.0) -> Tensor:
+    """Per-frequency multipliers that let RoPE run beyond its trained extent, ``(2, *F, P)`` frequencies ``(f_x, f_y)``
+    and per-axis length ratios ``ratio`` ``(*S, 2)`` (new extent / trained extent, clamped at 1) -> ``(*S, 2, *F, P)``.
+
+    - ``"pi"``, position interpolation (Chen et al. 2023): every frequency divided by the ratio ``s`` (what
+      interpolate-mode coordinates do).
+    - ``"ntk"``, NTK-aware base scaling (bloc97 2023): the base grows so the highest frequency is kept and the lowest
+      is divided by ``s``; frequency of log-rank ``r`` in [0, 1] (0: highest) is multiplied by ``s^-r``. On a geometric
+      spectrum this is exactly ``theta' = theta s^(d/(d-2))``.
+    - ``"yarn"`` (Peng et al., ICLR 2024), "NTK-by-parts": a band that turns fewer than ``yarn_alpha`` times over the
+      trained extent is interpolated (``1/s``), one that turns more than ``yarn_beta`` times is kept, linear between.
+    Each axis uses its own ratio; a frequency's band is read from its magnitude ``|(f_x, f_y)|``.
+    """
+    if method not in ROPE_SCALINGS:
+        raise ValueError(f"unknown rope scaling {method!r}; choose one of {', '.join(ROPE_SCALINGS)}")
+    lead = ratio.shape[:-1]
+    s = ratio.clamp(min=1.0).reshape(*lead, 2, *([1] * (freqs.dim() - 1)))  # (*S, 2, 1.., 1)
+    if method == "none":
+        return torch.ones_like(s).expand(*lead, *freqs.shape)
+    if method == "pi":
+        return (1 / s).expand(*lead, *freqs.shape)
+    mag = freqs.norm(dim=0, keepdim=True)  # (1, *F, P)
+    if method == "ntk":
+        live = mag > 0
+        hi = torch.where(live, mag, mag.new_tensor(0.0)).amax()
+        lo = torch.where(live, mag, mag.new_tensor(float("inf"))).amin()
+        r = (torch.log(hi / mag.clamp(min=1e-30)) / torch.log(hi / lo).clamp(min=1e-12)).clamp(0, 1)
+        return s ** -r
+    turns = ref_extent.reshape(2, *([1] * (freqs.dim() - 1))).to(mag) * mag / (2 * math.pi)  # (2, *F, P)
+    gamma = ((turns - yarn_alpha) / (yarn_beta - yarn_alpha)).clamp(0, 1)
+    return (1 - gamma) / s + gamma
+
+
+def yarn_temperature(ratio: Tensor) -> Tensor:
+    """YaRN's attention temperature (Peng et al., ICLR 2024): q and k are scaled by ``0.1 ln s + 1``, with ``s`` the
+    length ratio; in 2D the geometric mean of the axes' ratios (``ratio`` ``(..., 2)``) -> ``(...)``."""
+    s = ratio.clamp(min=1.0).log().mean(-1).exp()
+    return 0.1 * torch.log(s) + 1
+
+
+def p_rope_keep(freqs: Tensor, fraction: float) -> Tensor:
+    """p-RoPE (Barbero et al., ICLR 2025): ``(2, *F, P) -> (*F, P)`` float mask that zeroes the ``fraction`` of each
+    head's lowest frequencies (by magnitude), leaving those pairs unrotated: semantic channels that position never
+    perturbs, robust at long range."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"p_rope must be a fraction in [0, 1], got {fraction}")
+    mag = freqs.norm(dim=0)  # (*F, P)
+    n = int(round(fraction * mag.shape[-1]))
+    keep = torch.ones_like(mag)
+    if n:
+        keep.scatter_(-1, mag.argsort(-1)[..., :n], 0.0)
+    return keep
+
+
+# ---- rotations as matrix exponentials of skew-symmetric generators (LieRE, ComRoPE) and STRING's Cayley map -----
+
+def skew(w: Tensor) -> Tensor:
+    """``w - w^T`` over the last two dimensions: the skew-symmetric matrices, generators of rotations."""
+    return w - w.transpose(-1, -2)
+
+
+def generator_rotations(coords: Tensor, gens: Tensor) -> Tensor:
+    """``exp(x A_x + y A_y)``: ``(*B, N, 2), (2, *F, K, b, b) -> (*B, *F, N, K, b, b)`` block rotations (LieRE, Ostmeier
+    et al., ICML 2025). Orthogonal for skew-symmetric generators; if the generators of a block commute, as ComRoPE's
+    do, ``R(p)^T R(p') = R(p' - p)`` and attention depends only on the offset."""
+    n_f = gens.dim() - 4  # the generators' own dimensions (heads, ...)
+    lead, n = coords.shape[:-2], coords.shape[-2]
+    x = coords[..., 0].reshape(*lead, *([1] * n_f), n, 1, 1, 1)
+    y = coords[..., 1].reshape(*lead, *([1] * n_f), n, 1, 1, 1)
+    return torch.linalg.matrix_exp(x * gens[0].unsqueeze(-4) + y * gens[1].unsqueeze(-4))
+
+
+def rotate_blocks(x: Tensor, rot: Tensor) -> Tensor:
+    """Apply block rotations: ``x`` ``(..., T, K*b)``, ``rot`` ``(..., T, K, b, b)`` broadcasting -> ``(..., T, K*b)``."""
+    b = rot.shape[-1]
+    return (rot @ x.unflatten(-1, (-1, b)).unsqueeze(-1)).squeeze(-1).flatten(-2)
+
+
+def cayley(s: Tensor) -> Tensor:
+    """The Cayley transform ``(I - S)(I + S)^-1`` of skew-symmetric ``S`` ``(..., d, d)``: an orthogonal matrix (STRING,
+    Schenck et al., ICML 2025), the identity at ``S = 0``; ``I + S`` is always invertible for skew ``S``."""
+    eye = torch.eye(s.shape[-1], device=s.device, dtype=s.dtype)
+    return torch.linalg.solve(eye + s, eye - s, left=False)
+
+
+# ---- biases of the 2024-26 families ------------------------------------------------------------------------------
+
+def fire_features(offsets: Tensor, extent: Tensor, c: Tensor) -> Tensor:
+    """FIRE's input (Li et al., ICLR 2024), in 2D: ``psi(d) / psi(extent)`` per axis with ``psi(d) = sign(d) log(c|d| + 1)``.
+    ``offsets`` ``(..., 2)``, ``extent`` (the normaliser, the image's extent per axis, broadcasting) -> ``(..., 2)`` in
+    ``[-1, 1]`` for offsets inside the image: a larger image gives a denser, not a wider, range. ``c > 0``."""
+    return torch.sign(offsets) * torch.log1p(c * offsets.abs()) / torch.log1p(c * extent)
+
+
+LOOKHERE_DIRECTIONS = ((0.0, -1.0), (0.0, 1.0), (-1.0, 0.0), (1.0, 0.0))  # up, down, left, right (rows grow downwards)
+
+
+def lookhere_directions(num_heads: int, fov: float) -> Tensor:
+    """LookHere's head directions (Fuller et al., NeurIPS 2024): ``(heads, 2)`` unit ``(x, y)``. Heads cycle through up,
+    down, left, right; a field of view under 90 degrees needs the diagonals too, so eight directions are cycled."""
+    if fov >= 90:
+        table = torch.tensor(LOOKHERE_DIRECTIONS)
+    else:
+        a = torch.arange(8) * (math.pi / 4) - math.pi / 2
+        table = torch.stack([a.cos(), a.sin()], -1)
+    return table[torch.arange(num_heads) % len(table)]
+
+
+def lookhere_bias(offsets: Tensor, directions: Tensor, fov: float, slopes: Tensor) -> Tensor:
+    """LookHere (Fuller et al., NeurIPS 2024): offsets query minus key ``(..., 2)`` (:func:`relative_offsets`), head
+    directions ``(H, 2)``, slopes ``(*L, H)`` -> ``(*L, ..., H)``: minus ``slope * distance`` where the key lies in the
+    head's field of view (``fov`` degrees about its direction, the query itself included), ``-inf`` outside. The
+    directional masks make heads look different ways; at new resolutions no head meets a direction it never saw."""
+    to_key = -offsets  # from the query to the key
+    dist = to_key.norm(dim=-1, keepdim=True)  # (..., 1)
+    inside = to_key @ directions.t().to(to_key) >= dist * math.cos(math.radians(fov) / 2) - 1e-6  # (..., H)
+    lead = slopes.shape[:-1]
+    penalty = dist * slopes.reshape(*lead, *([1] * (dist.dim() - 1)), -1).to(dist)  # (*L, ..., H)
+    return (-penalty).masked_fill(~inside, float("-inf"))

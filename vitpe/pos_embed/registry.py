@@ -11,7 +11,7 @@ from ..coords import COORD_MODES, PatchGrid, Size2
 from ..suggest import did_you_mean
 from .base import PosEmbed
 
-__all__ = ["register_pos_embed", "list_pos_embeds", "build_pos_embed", "pos_embed_options", "CombinedPosEmbed"]
+__all__ = ["register_pos_embed", "list_pos_embeds", "build_pos_embed", "pos_embed_options", "CombinedPosEmbed", "set_rope_extrapolation"]
 
 _REGISTRY: Dict[str, Type[PosEmbed]] = {}
 _COMMON = ("self", "dim", "num_heads", "ref_grid", "depth")
@@ -38,9 +38,13 @@ def list_pos_embeds() -> List[str]:
 def pos_embed_options(name: str) -> Dict[str, Any]:
     """The options one registered encoding accepts, with their defaults. Every encoding takes ``coord_mode``
     (``None``: the model's), the coordinate mode of this encoding alone."""
-    cls = _lookup(name)
-    sig = inspect.signature(cls.__init__)
-    return {**{k: p.default for k, p in sig.parameters.items() if k not in _COMMON}, "coord_mode": None}
+    out: Dict[str, Any] = {}
+    for klass in _lookup(name).__mro__:  # a subclass passes its base's options on as **kwargs: read those too
+        params = inspect.signature(klass.__init__).parameters
+        out.update({k: p.default for k, p in params.items() if k not in _COMMON and p.kind is p.KEYWORD_ONLY and k not in out})
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            break
+    return {**out, "coord_mode": None}
 
 
 def _lookup(name: str) -> Type[PosEmbed]:
@@ -96,11 +100,15 @@ class CombinedPosEmbed(PosEmbed):
 
     def __init__(self, parts: List[PosEmbed], *, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1) -> None:
         super().__init__(dim, num_heads, ref_grid, depth)
-        rotary = [p.name for p in parts if type(p).rope_angles is not PosEmbed.rope_angles]
+        rotary = [p.name for p in parts if p.rotary]
         if len(rotary) > 1:
             raise ValueError(f"at most one rotary encoding can be combined, got {rotary}")
         self.parts = nn.ModuleList(parts)
         self.name = "+".join(p.name for p in parts)
+
+    @property
+    def rotary(self) -> bool:
+        return any(p.rotary for p in self.parts)
 
     @staticmethod
     def _sum(values: List[Optional[Tensor]]) -> Optional[Tensor]:
@@ -116,6 +124,15 @@ class CombinedPosEmbed(PosEmbed):
     def rope_angles(self, grid: PatchGrid) -> Optional[Tensor]:
         return self._sum([p.rope_angles(p.own_grid(grid)) for p in self.parts])
 
+    def rope_rotations(self, grid: PatchGrid) -> Optional[Tensor]:
+        return self._sum([p.rope_rotations(p.own_grid(grid)) for p in self.parts])  # at most one part is rotary
+
+    def rope_mix(self) -> Optional[Tensor]:
+        return self._sum([p.rope_mix() for p in self.parts])
+
+    def rope_magnitude(self, grid: PatchGrid) -> Optional[Tensor]:
+        return self._sum([p.rope_magnitude(p.own_grid(grid)) for p in self.parts])
+
     def condition_layers(self) -> FrozenSet[int]:
         return frozenset().union(*(p.condition_layers() for p in self.parts))
 
@@ -127,3 +144,26 @@ class CombinedPosEmbed(PosEmbed):
             if layer in p.condition_layers():
                 x = p.condition(layer, x, grid)
         return x
+
+
+def set_rope_extrapolation(module: nn.Module, scaling: Optional[str] = None, p_rope: Optional[float] = None) -> List[str]:
+    """Set the extrapolation controls of every rotary encoding in ``module`` (a model, a PE): ``scaling`` (``"none"``,
+    ``"pi"``, ``"ntk"``, ``"yarn"``) and ``p_rope`` (fraction of lowest frequencies left unrotated); ``None`` keeps the
+    current value. At evaluation time this is ``eval.py --rope-scaling``. Returns the names of the encodings changed;
+    a module with no rotary encoding, or a control an encoding does not take, raises ``ValueError``."""
+    rotary = [m for m in module.modules() if isinstance(m, PosEmbed) and m.rotary and not isinstance(m, CombinedPosEmbed)]
+    if not rotary:
+        raise ValueError("this model has no rotary positional encoding, so RoPE extrapolation controls do not apply; "
+                         f"rotary families: {', '.join(n for n, c in _REGISTRY.items() if c.rope_angles is not PosEmbed.rope_angles or c.rope_rotations is not PosEmbed.rope_rotations)}")
+    for pe in rotary:
+        if scaling is not None:
+            pe.scaling = scaling
+        if p_rope is not None:
+            if not hasattr(pe, "p_rope"):
+                raise ValueError(f"{pe.name} has no frequency table for p-RoPE to act on; p_rope applies to rope_axial, "
+                                 "rope_mixed, rope_golden and string")
+            pe.p_rope = p_rope
+    for m in module.modules():  # contexts cached by a combination or the model hold the old rotation
+        if isinstance(m, PosEmbed):
+            m.clear_cache()
+    return [pe.name for pe in rotary]

@@ -1,56 +1,207 @@
-"""Rotary encodings (q and k rotated by angles linear in the coordinates): 2D axial and mixed RoPE."""
+"""Rotary encodings (q and k rotated by angles linear in the coordinates): 2D axial, mixed, Golden-Gate and STRING
+RoPE, with the extrapolation controls every rotary family shares (PI, NTK, YaRN, p-RoPE)."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor, nn
 
-from ..coords import PatchGrid, Size2
+from ..coords import PatchGrid, Size2, _extent
 from .base import PosEmbed
-from .functional import axial_rope_freqs, mixed_rope_freqs, rope_angles
+from .functional import (
+    ROPE_SCALINGS,
+    axial_rope_freqs,
+    cayley,
+    golden_rope_freqs,
+    mixed_rope_freqs,
+    p_rope_keep,
+    period_rope_freqs,
+    rope_angles,
+    rope_freq_scale,
+    skew,
+    yarn_temperature,
+)
 from .registry import register_pos_embed
 
-__all__ = ["RopeAxial", "RopeMixed"]
+__all__ = ["RotaryPosEmbed", "RopeAxial", "RopeMixed", "RopeGolden", "RopeString"]
 
 
-@register_pos_embed("rope_axial")
-class RopeAxial(PosEmbed):
-    """2D axial RoPE (Heo et al., "Rotary Position Embedding for Vision Transformer", ECCV 2024): half the
-    rotary pairs of every head turn with x, half with y, frequencies ``theta^(-4i/head_dim)``. Because q
-    and k are rotated by angles linear in the coordinates, ``q . k`` depends only on their offset."""
+def length_ratio(pe: PosEmbed, grid: PatchGrid) -> Optional[Tensor]:
+    """Per-axis ratio ``(w, h)`` of ``grid``'s extent to the trained (reference) extent, ``(2,)`` or per token
+    ``(B, N, 2)``; ``None`` where it is 1 everywhere (interpolate and normalize modes keep the extent, as does the
+    reference grid). Augmentation's rescaling is not a longer image and is left out."""
+    if grid.mode != "extrapolate" or (not grid.batched and grid.size == pe.ref_grid):
+        return None
+    ref = _extent(torch.tensor([pe.ref_grid[1], pe.ref_grid[0]]), pe.ref_grid, grid.mode)
+    if grid.batched:
+        return grid.sizes.float() / ref.to(grid.sizes.device)
+    return torch.tensor([grid.size[1], grid.size[0]], dtype=torch.float32) / ref
+
+
+class RotaryPosEmbed(PosEmbed):
+    """A rotary encoding with explicit frequencies ``(2, *F, head_dim/2)`` (``F``: layers, heads), and the extrapolation
+    controls of the field, as options at build time and settable on a trained model (``eval.py --rope-scaling``):
+
+    - ``scaling``: how frequencies adapt when an extrapolate-mode grid is longer than the reference, per axis:
+      ``"none"``, ``"pi"`` (Chen et al. 2023), ``"ntk"`` (NTK-aware base scaling), ``"yarn"`` (Peng et al., ICLR
+      2024; with its attention temperature). Identity on the reference grid and in interpolate or normalize mode,
+      which already keep the trained extent (interpolate mode *is* position interpolation).
+    - ``p_rope``: the fraction of each head's lowest frequencies left unrotated (p-RoPE, Barbero et al., ICLR 2025).
+    - ``yarn_alpha``, ``yarn_beta``: YaRN's band edges, in turns over the trained extent.
+    """
 
     acts_on = "q and k"
 
-    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, theta: float = 100.0) -> None:
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, scaling: str = "none",
+                 p_rope: float = 0.0, yarn_alpha: float = 1.0, yarn_beta: float = 32.0) -> None:
         super().__init__(dim, num_heads, ref_grid, depth)
-        self.theta = float(theta)
-        self.register_buffer("freqs", axial_rope_freqs(self.head_dim, self.theta), persistent=False)  # (2, head_dim/2)
+        self.scaling, self.p_rope = scaling, p_rope
+        self.yarn_alpha, self.yarn_beta = float(yarn_alpha), float(yarn_beta)
+
+    @property
+    def scaling(self) -> str:
+        return self._scaling
+
+    @scaling.setter
+    def scaling(self, method: str) -> None:
+        if method not in ROPE_SCALINGS:
+            raise ValueError(f"{self.name}: unknown rope scaling {method!r}; choose one of {', '.join(ROPE_SCALINGS)}")
+        self._scaling = method
+        self.clear_cache()
+
+    @property
+    def p_rope(self) -> float:
+        return self._p_rope
+
+    @p_rope.setter
+    def p_rope(self, fraction: float) -> None:
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"{self.name}: p_rope must be a fraction in [0, 1], got {fraction}")
+        self._p_rope = float(fraction)
+        self.clear_cache()
+
+    def frequencies(self) -> Tensor:
+        """``(2, *F, head_dim/2)`` frequencies ``(f_x, f_y)`` in radians per coordinate unit, before the controls."""
+        raise NotImplementedError
+
+    def _freqs(self) -> Tensor:
+        freqs = self.frequencies()
+        if self.p_rope:
+            freqs = freqs * p_rope_keep(freqs.detach(), self.p_rope)
+        return freqs
+
+    def _angles(self, grid: PatchGrid) -> Tensor:
+        freqs = self._freqs()
+        coords = grid.coords.to(freqs.device)
+        ratio = length_ratio(self, grid) if self.scaling != "none" else None
+        if ratio is None:
+            return rope_angles(coords, freqs)
+        ref = _extent(torch.tensor([self.ref_grid[1], self.ref_grid[0]]), self.ref_grid, grid.mode).to(freqs)
+        scale = rope_freq_scale(freqs.detach(), ratio.to(freqs), self.scaling, ref, self.yarn_alpha, self.yarn_beta)
+        if not grid.batched:
+            return rope_angles(coords, freqs * scale)
+        f = freqs * scale  # (B, N, 2, *F, P): each token's image has its own ratio
+        n_f = freqs.dim() - 2
+        x = coords[..., 0].reshape(*coords.shape[:2], *([1] * (n_f + 1)))
+        y = coords[..., 1].reshape(*coords.shape[:2], *([1] * (n_f + 1)))
+        return (x * f[:, :, 0] + y * f[:, :, 1]).movedim(1, -2)  # (B, *F, N, P)
 
     def rope_angles(self, grid: PatchGrid) -> Tensor:
-        return self.memo(grid, "angles", lambda: rope_angles(grid.coords.to(self.freqs.device), self.freqs.float()))  # (N, hd/2)
+        if any(p.requires_grad for p in self.parameters()):
+            return self._angles(grid)
+        return self.memo(grid, ("angles", self.scaling, self.p_rope), lambda: self._angles(grid))
+
+    def rope_magnitude(self, grid: PatchGrid) -> Optional[Tensor]:
+        ratio = length_ratio(self, grid) if self.scaling == "yarn" else None
+        if ratio is None:
+            return None
+        m = yarn_temperature(ratio)  # (2,) -> () or (B, N, 2) -> (B, N)
+        return m.expand(grid.coords.shape[-2]) if m.dim() == 0 else m
+
+    def extra_repr(self) -> str:
+        controls = "" if self.scaling == "none" else f", scaling={self.scaling}"
+        return super().extra_repr() + controls + (f", p_rope={self.p_rope}" if self.p_rope else "")
+
+
+@register_pos_embed("rope_axial")
+class RopeAxial(RotaryPosEmbed):
+    """2D axial RoPE (Heo et al., "Rotary Position Embedding for Vision Transformer", ECCV 2024): half the
+    rotary pairs of every head turn with x, half with y, frequencies ``theta^(-4i/head_dim)``. Because q
+    and k are rotated by angles linear in the coordinates, ``q . k`` depends only on their offset.
+
+    ``min_period``/``max_period`` give DINOv3's spectrum instead (Simeoni et al. 2025, its
+    ``RopePositionEmbedding``): periods geometric between them, frequency ``2 pi / period``; with
+    ``coord_mode="normalize"`` it is DINOv3's RoPE (its x and y halves in vitpe's pair order)."""
+
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, theta: float = 100.0,
+                 min_period: Optional[float] = None, max_period: Optional[float] = None, **controls) -> None:
+        super().__init__(dim, num_heads, ref_grid, depth, **controls)
+        if (min_period is None) != (max_period is None):
+            raise ValueError("rope_axial needs both min_period and max_period (DINOv3's spectrum), or neither (theta's)")
+        self.theta, self.min_period, self.max_period = float(theta), min_period, max_period
+        freqs = axial_rope_freqs(self.head_dim, self.theta) if min_period is None else period_rope_freqs(self.head_dim, min_period, max_period)
+        self.register_buffer("freqs", freqs, persistent=False)  # (2, head_dim/2)
+
+    def frequencies(self) -> Tensor:
+        return self.freqs.float()
 
 
 @register_pos_embed("rope_mixed")
-class RopeMixed(PosEmbed):
+class RopeMixed(RotaryPosEmbed):
     """RoPE-Mixed (Heo et al., ECCV 2024): learnable frequencies per head (and per layer by default) that
     mix x and y, so a head can attend along diagonals. Angles are ``x f_x + y f_y``; still a rotation
     linear in the coordinates, so the relative property holds for any learned frequencies."""
 
-    acts_on = "q and k"
-
-    def __init__(
-        self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, theta: float = 10.0, per_layer: bool = True
-    ) -> None:
-        super().__init__(dim, num_heads, ref_grid, depth)
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, theta: float = 10.0,
+                 per_layer: bool = True, **controls) -> None:
+        super().__init__(dim, num_heads, ref_grid, depth, **controls)
         layers = depth if per_layer else 1
         freqs = torch.stack([mixed_rope_freqs(self.head_dim, num_heads, theta) for _ in range(layers)], dim=1)
         self.freqs = nn.Parameter(freqs)  # (2, L, H, head_dim/2)
         self.theta, self.per_layer = float(theta), per_layer
 
-    def rope_angles(self, grid: PatchGrid) -> Tensor:
-        return rope_angles(grid.coords.to(self.freqs.device), self.freqs)  # (L, H, N, hd/2)
+    def frequencies(self) -> Tensor:
+        return self.freqs
 
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """RoPE-ViT's mixed frequencies (timm's ``rope.freqs``, ``(2, depth, heads, head_dim/2)``, x then y)."""
         return self._timm_weight(weights, "rope.freqs", self.freqs, "rope_mixed.freqs")
+
+
+@register_pos_embed("rope_golden")
+class RopeGolden(RotaryPosEmbed):
+    """Golden-Gate RoPE (Xiong 2025, "N-dimensional RoPE"; vit-pytorch's ``GoldenGateRoPENd``): each rotary pair of
+    each head turns along its own direction, drawn from the golden-ratio low-discrepancy sequence, with magnitudes
+    geometric from ``min_freq`` to ``max_freq`` (radians per coordinate unit). Isotropic where axial RoPE sees only
+    two directions; fixed, so it costs what axial RoPE costs."""
+
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, min_freq: float = 0.01,
+                 max_freq: float = 1.0, **controls) -> None:
+        super().__init__(dim, num_heads, ref_grid, depth, **controls)
+        self.min_freq, self.max_freq = float(min_freq), float(max_freq)
+        self.register_buffer("freqs", golden_rope_freqs(self.head_dim, num_heads, min_freq, max_freq), persistent=False)  # (2, H, P)
+
+    def frequencies(self) -> Tensor:
+        return self.freqs.float()
+
+
+@register_pos_embed("string")
+class RopeString(RotaryPosEmbed):
+    """STRING, Cayley form (Schenck et al., "Learning the RoPEs", ICML 2025): RoPE between a learned orthogonal
+    matrix, ``R(p) = P^T RoPE(p) P`` with ``P = cayley(S)`` per head (``S`` skew-symmetric, zero at start: plain RoPE).
+    P is orthogonal, so ``(R(p) q) . (R(p') k) = (RoPE(p) P q) . (RoPE(p') P k)``: vitpe applies ``P`` to q and k and
+    then rotates, and a trained model can fold ``P`` into ``W_q``, ``W_k``. Still depends only on the offset.
+    Frequencies are learned per head, initialised as RoPE-Mixed's."""
+
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, theta: float = 10.0, **controls) -> None:
+        super().__init__(dim, num_heads, ref_grid, depth, **controls)
+        self.theta = float(theta)
+        self.freqs = nn.Parameter(mixed_rope_freqs(self.head_dim, num_heads, theta))  # (2, H, P)
+        self.generator = nn.Parameter(torch.zeros(num_heads, self.head_dim, self.head_dim))  # S = skew(generator)
+
+    def frequencies(self) -> Tensor:
+        return self.freqs
+
+    def rope_mix(self) -> Tensor:
+        return cayley(skew(self.generator))  # (H, hd, hd), orthogonal

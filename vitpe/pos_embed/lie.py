@@ -1,0 +1,112 @@
+"""Rotary encodings as matrix exponentials of learned skew-symmetric generators: LieRE and ComRoPE.
+
+Both rotate q and k by ``R(p) = exp(x A_x + y A_y)``, block-diagonal with ``b x b`` blocks. LieRE learns any
+generators (more expressive; the rotation then depends on more than the offset), ComRoPE learns generators that
+commute, which keeps RoPE's relative property. Their frequencies are eigenvalues of learned matrices, not a table,
+so of the extrapolation controls they take position interpolation (``scaling="pi"``, or interpolate-mode
+coordinates); NTK, YaRN and p-RoPE act on explicit frequencies and raise here.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..coords import PatchGrid, Size2
+from .base import PosEmbed
+from .functional import generator_rotations, skew
+from .registry import register_pos_embed
+from .rotary import length_ratio
+
+__all__ = ["MatrixRotary", "LieRE", "ComRoPE"]
+
+
+class MatrixRotary(PosEmbed):
+    """Shared machinery: blocks of ``block_size`` over each head's dimensions, generators per head (and per layer by
+    default), initialised ``N(0, init_std^2)`` before skew-symmetrisation. ``init_std=None`` takes ``1 / max(ref_grid)``:
+    the ComRoPE code's ``N(0, 1)`` for positions in ``[0, 1]``, in vitpe's unit of one reference patch."""
+
+    acts_on = "q and k"
+
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, block_size: int = 8,
+                 init_std: Optional[float] = None, per_layer: bool = True, scaling: str = "none") -> None:
+        super().__init__(dim, num_heads, ref_grid, depth)
+        if block_size < 2 or self.head_dim % block_size:
+            raise ValueError(f"{self.name}: block_size={block_size} must be at least 2 and divide head_dim={self.head_dim}")
+        self.block_size, self.per_layer = block_size, per_layer
+        self.init_std = 1.0 / max(self.ref_grid) if init_std is None else float(init_std)
+        self.num_blocks = self.head_dim // block_size
+        self.scaling = scaling
+
+    @property
+    def scaling(self) -> str:
+        return self._scaling
+
+    @scaling.setter
+    def scaling(self, method: str) -> None:
+        if method not in ("none", "pi"):
+            raise ValueError(f"{self.name} learns its rotations as matrix exponentials, with no frequency table for "
+                             f"NTK, YaRN or p-RoPE to act on; scaling={method!r} is not available: use 'pi' or 'none'")
+        self._scaling = method
+        self.clear_cache()
+
+    def _init(self, *shape: int) -> nn.Parameter:
+        layers = self.depth if self.per_layer else 1
+        return nn.Parameter(torch.randn(layers, self.num_heads, *shape, self.block_size, self.block_size) * self.init_std)
+
+    def generators(self) -> Tensor:
+        """``(2, L|1, heads, K, b, b)`` skew-symmetric generators ``(A_x, A_y)``."""
+        raise NotImplementedError
+
+    def rope_rotations(self, grid: PatchGrid) -> Tensor:
+        gens = self.generators()
+        coords = grid.coords.to(gens.device, gens.dtype)
+        ratio = length_ratio(self, grid) if self.scaling == "pi" else None
+        if ratio is not None:
+            coords = coords / ratio.to(coords)  # position interpolation: back into the trained extent
+        return generator_rotations(coords, gens)  # ([B], L, H, N, K, b, b)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", block_size={self.block_size}" + ("" if self.scaling == "none" else f", scaling={self.scaling}")
+
+
+@register_pos_embed("liere")
+class LieRE(MatrixRotary):
+    """LieRE (Ostmeier et al., "LieRE: Lie Rotational Positional Encodings", ICML 2025): ``R(p) = exp(x A_x + y A_y)``
+    with learned skew-symmetric ``A_x, A_y`` per head, blockwise (``block_size``; the paper's full form is
+    ``block_size=head_dim``). Rotations are orthogonal, but for ``b > 2`` the generators need not commute, so
+    ``q . k`` depends on both positions, not only their offset; ``block_size=2`` (2x2 generators always commute) keeps
+    the relative property and is RoPE-Mixed with learned frequencies."""
+
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, **options) -> None:
+        super().__init__(dim, num_heads, ref_grid, depth, **options)
+        self.weight = self._init(2, self.num_blocks)  # (L, H, 2, K, b, b)
+
+    def generators(self) -> Tensor:
+        return skew(self.weight).movedim(2, 0)  # (2, L, H, K, b, b)
+
+
+@register_pos_embed("comrope")
+class ComRoPE(MatrixRotary):
+    """ComRoPE (Yu et al., "ComRoPE: Scalable and Robust Rotary Position Embedding Parameterized by Trainable
+    Commuting Angle Matrices", CVPR 2025): generators that commute, so ``R(p)^T R(p') = R(p' - p)`` and ``q . k``
+    depends only on the offset, with trainable ``b x b`` angle matrices. ``variant="ld"`` (linearly dependent): per
+    block one skew matrix ``A``, scaled per axis, ``A_x = m_x A``, ``A_y = m_y A``. ``variant="ap"`` (axis
+    partition): each block belongs to one axis (blocks alternate x, y) and turns with it alone."""
+
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, variant: str = "ld", **options) -> None:
+        super().__init__(dim, num_heads, ref_grid, depth, **options)
+        if variant not in ("ld", "ap"):
+            raise ValueError(f"comrope variant must be 'ld' (linearly dependent) or 'ap' (axis partition), got {variant!r}")
+        self.variant = variant
+        self.weight = self._init(self.num_blocks)  # (L, H, K, b, b)
+        if variant == "ld":
+            self.multiplier = nn.Parameter(torch.randn(2, self.weight.shape[0], 1, self.num_blocks))  # (2, L, 1, K)
+        else:
+            self.register_buffer("axis", (torch.arange(self.num_blocks) % 2 == torch.arange(2)[:, None]).float(), persistent=False)  # (2, K)
+
+    def generators(self) -> Tensor:
+        a = skew(self.weight)[None]  # (1, L, H, K, b, b)
+        scale = self.multiplier if self.variant == "ld" else self.axis[:, None, None]  # (2, L|1, 1, K)
+        return a * scale[..., None, None]
