@@ -13,7 +13,8 @@ from typing import ClassVar, Literal, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["COORD_MODES", "grid_coords", "grid_cells", "cell_coords", "random_keep", "PatchGrid", "TokenGrid", "CoordAugment", "to_2tuple", "snap", "patch_units"]
+__all__ = ["COORD_MODES", "grid_coords", "grid_cells", "cell_coords", "random_keep", "PatchGrid", "TokenGrid", "CoordAugment",
+           "to_2tuple", "snap", "patch_units"]
 
 COORD_MODES = ("interpolate", "extrapolate", "normalize")
 CoordMode = Literal["interpolate", "extrapolate", "normalize"]

@@ -153,8 +153,8 @@ def set_rope_extrapolation(module: nn.Module, scaling: Optional[str] = None, p_r
     a module with no rotary encoding, or a control an encoding does not take, raises ``ValueError``."""
     rotary = [m for m in module.modules() if isinstance(m, PosEmbed) and m.rotary and not isinstance(m, CombinedPosEmbed)]
     if not rotary:
-        raise ValueError("this model has no rotary positional encoding, so RoPE extrapolation controls do not apply; "
-                         f"rotary families: {', '.join(n for n, c in _REGISTRY.items() if c.rope_angles is not PosEmbed.rope_angles or c.rope_rotations is not PosEmbed.rope_rotations)}")
+        names = [n for n, c in _REGISTRY.items() if c.rope_angles is not PosEmbed.rope_angles or c.rope_rotations is not PosEmbed.rope_rotations]
+        raise ValueError(f"this model has no rotary positional encoding, so RoPE extrapolation controls do not apply; rotary families: {', '.join(names)}")
     for pe in rotary:
         if scaling is not None:
             pe.scaling = scaling
