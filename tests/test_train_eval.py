@@ -300,3 +300,22 @@ def test_eval_at_native_aspect_ratio(tiny_run, tmp_path, capsys):
     # shapes is square: its native aspect ratio at the training area is the training size, packed or not
     assert abs(native[0]["top1"] - fixed[0]["top1"]) <= 1.5 / fixed[0]["n"]
     assert "native" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("pe,controls,error", [
+    ("sincos2d+liere", ["--rope-scaling", "pi"], None),
+    ("fourier+string", ["--rope-scaling", "yarn", "--p-rope", "0.25"], None),
+    ("learned+fire", ["--rope-scaling", "yarn"], "no rotary positional encoding"),
+    ("sincos2d+comrope", ["--rope-scaling", "ntk"], "no frequency table"),
+])
+def test_new_families_train_and_evaluate_with_rope_extrapolation(tmp_path, pe, controls, error):
+    assert train(tmp_path, "run", "--set", f"model.pos_embed={pe}", "--set", "train.epochs=1") == 0
+    args = [str(tmp_path / "run"), "--resolutions", "16", "32", "--coord-mode", "extrapolate", *controls, "--out", str(tmp_path / "ev")]
+    if error:
+        with pytest.raises(ConfigError, match=error):
+            eval_script.main(args)
+        return
+    assert eval_script.main(args) == 0
+    rows = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert len(rows) == 2 and rows[0]["rope_scaling"] == controls[1] and "[rope " in rows[0]["label"]
+    assert all(0 <= r["top1"] <= 1 for r in rows)

@@ -19,13 +19,26 @@ def _shifted_equal(a, b, shift, size):
     return torch.testing.assert_close(a[0:h - dr, 0:w - dc], b[dr:h, dc:w], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name, kind", [("sincos2d", "tokens"), ("rope_axial", "rotary"), ("rope_mixed", "rotary"), ("rel_bias", "bias"), ("cpb", "bias")])
+@pytest.mark.parametrize("name, kind", [("sincos2d", "tokens"), ("rope_axial", "rotary"), ("rope_mixed", "rotary"), ("rel_bias", "bias"), ("cpb", "bias"),
+                                        ("fire", "bias"), ("lookhere", "bias"), ("rope_golden", "rotary"), ("string", "rotary"),
+                                        ("comrope", "rotary")])
 def test_similarity_of_relative_structure_depends_only_on_the_offset(name, kind):
     pe = vitpe.build_pos_embed(name, dim=64, num_heads=4, ref_grid=8)
     a = viz.pe_similarity(pe, 8, (2, 3))[kind]
     b = viz.pe_similarity(pe, 8, (4, 5))[kind]
     for head in range(a.shape[0]):
         _shifted_equal(a[head], b[head], (2, 2), (8, 8))
+
+
+@pytest.mark.parametrize("name", [n for n in vitpe.list_pos_embeds() if n not in ("none", "peg")])
+def test_every_family_is_drawn(name, tmp_path):
+    pe = vitpe.build_pos_embed(name, dim=64, num_heads=4, ref_grid=8, depth=2)
+    mats, sims = viz.pe_matrix(pe, (6, 8)), viz.pe_similarity(pe, (6, 8), (2, 3))
+    assert mats.keys() == sims.keys() and mats
+    for kind, m in sims.items():
+        assert m.shape[-2:] == (6, 8) and (torch.isfinite(m) | (m == float("-inf"))).all()
+    if "rotary" in sims:  # a vector rotated at the query aligns fully with itself there
+        torch.testing.assert_close(sims["rotary"][:, 2, 3], torch.ones(sims["rotary"].shape[0]), atol=1e-5, rtol=0)
 
 
 def test_similarity_values():

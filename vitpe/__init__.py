@@ -1,6 +1,6 @@
 """vitpe: Vision Transformers and their positional encodings, as functions of continuous patch coordinates."""
 from . import timm_models  # registers vitpe_* architectures with timm.create_model
-from .coords import COORD_MODES, CoordAugment, PatchGrid, TokenGrid, cell_coords, grid_coords
+from .coords import COORD_MODES, CoordAugment, PatchGrid, TokenGrid, cell_coords, grid_coords, patch_units
 from .interop import cpb_from_swinv2, equip_timm_vit, load_timm_state_dict, vit_from_timm
 from .packing import Packed, PackingError, image_patches, pack_images, pack_patches
 from .patch import resize_patch_embed
@@ -17,6 +17,7 @@ from .pos_embed import (
     relative_position_index,
     rotate_complex,
     rotate_pairs,
+    set_rope_extrapolation,
     sincos_1d,
     sincos_2d,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "TokenGrid",
     "CoordAugment",
     "cell_coords",
+    "patch_units",
     "Packed",
     "PackingError",
     "pack_images",
@@ -44,6 +46,7 @@ __all__ = [
     "list_pos_embeds",
     "pos_embed_options",
     "register_pos_embed",
+    "set_rope_extrapolation",
     "sincos_1d",
     "sincos_2d",
     "fourier_features",

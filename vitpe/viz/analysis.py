@@ -17,10 +17,24 @@ def _grid(pe: PosEmbed, grid_size: Size2, mode: str) -> PatchGrid:
     return PatchGrid.create(grid_size, pe.ref_grid, mode)
 
 
+def _rotated(pe: PosEmbed, ctx, basis: Tensor) -> Tensor:
+    """``basis`` ``(M, head_dim)`` rotated at every token by every head, layer 0: ``(M, heads, N, head_dim)``. One
+    picture for every rotary family, whether it rotates pairs (RoPE) or blocks (LieRE, ComRoPE), mixed (STRING) or not."""
+    n = ctx.grid.coords.shape[0]
+    q = basis[:, None, None, :].expand(-1, pe.num_heads, n, -1).contiguous()
+    return ctx.rotate(q, q, 0)[0]
+
+
+def _bias(ctx) -> Tensor:
+    """``(heads, N, N)``: layer 0's bias for a per-layer bias (LookHere)."""
+    return (ctx.bias[0] if ctx.mask_per_layer else ctx.bias).float()
+
+
 def pe_matrix(pe: PosEmbed, grid_size: Size2, mode: str = "interpolate") -> Dict[str, Tensor]:
     """The encoding as matrices, by what it acts on: ``tokens`` ``(N, dim)`` (position x dimension, the
-    classic sin-cos picture), ``bias`` ``(heads, N, N)`` (query x key), ``rotary`` ``(N, head_dim)``
-    (cos and sin of each pair's angle, head 0, layer 0). A conditional PE (peg) has no table."""
+    classic sin-cos picture), ``bias`` ``(heads, N, N)`` (query x key, layer 0), ``rotary`` ``(N, head_dim)``: the
+    unit pairs ``(1, 0)`` rotated at each position (head 0, layer 0), which for RoPE is each pair's cos and sin.
+    A conditional PE (peg) has no table."""
     g = _grid(pe, grid_size, mode)
     with torch.no_grad():
         ctx = pe.context(g)
@@ -28,9 +42,11 @@ def pe_matrix(pe: PosEmbed, grid_size: Size2, mode: str = "interpolate") -> Dict
         if ctx.tokens is not None:
             out["tokens"] = ctx.tokens.float()
         if ctx.bias is not None:
-            out["bias"] = ctx.bias.float()
-        if ctx.cos is not None:
-            out["rotary"] = torch.stack([ctx.cos[0, 0], ctx.sin[0, 0]], -1).flatten(-2).float()
+            out["bias"] = _bias(ctx)
+        if pe.rotary:
+            unit = torch.zeros(1, pe.head_dim, device=g.coords.device)
+            unit[:, ::2] = 1
+            out["rotary"] = _rotated(pe, ctx, unit)[0, 0].float()
     if not out:
         raise ValueError(f"positional encoding {pe.name!r} has no position table to draw (it is conditional on the tokens, or none)")
     return out
@@ -41,7 +57,8 @@ def pe_similarity(pe: PosEmbed, grid_size: Size2, query: Tuple[int, int], mode: 
 
     - ``tokens``: cosine similarity of the added encodings (one map);
     - ``bias``: the bias the query adds to each key, per head;
-    - ``rotary``: ``mean_i cos(angle_q,i - angle_k,i)``, the dot product of unit pairs after rotation, per head.
+    - ``rotary``: ``trace(R_q^T R_k) / head_dim`` per head, how a vector rotated at the query still aligns with itself
+      rotated at the key; for RoPE ``mean_i cos(angle_q,i - angle_k,i)``.
     For a relative encoding these maps move with the query unchanged: translation-invariant stripes or blobs.
     """
     h, w = to_2tuple(grid_size, "grid_size")
@@ -57,13 +74,10 @@ def pe_similarity(pe: PosEmbed, grid_size: Size2, query: Tuple[int, int], mode: 
             t = torch.nn.functional.normalize(ctx.tokens.float(), dim=-1)
             out["tokens"] = (t @ t[q]).view(1, h, w)
         if ctx.bias is not None:
-            out["bias"] = ctx.bias[:, q].float().view(-1, h, w)
-        angles = pe.rope_angles(g)
-        if angles is not None:
-            a = angles.float()
-            a = a[0] if a.dim() == 4 else a  # layer 0
-            a = a if a.dim() == 3 else a.unsqueeze(0)  # (heads|1, N, P)
-            out["rotary"] = torch.cos(a[:, q : q + 1] - a).mean(-1).view(-1, h, w)
+            out["bias"] = _bias(ctx)[:, q].view(-1, h, w)
+        if pe.rotary:
+            r = _rotated(pe, ctx, torch.eye(pe.head_dim, device=g.coords.device))  # (hd, heads, N, hd): R_t e_i
+            out["rotary"] = torch.einsum("ihd,ihnd->hn", r[:, :, q], r).div(pe.head_dim).float().view(-1, h, w)
     if not out:
         raise ValueError(f"positional encoding {pe.name!r} has no position table to draw (it is conditional on the tokens, or none)")
     return out
