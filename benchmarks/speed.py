@@ -3,6 +3,7 @@
 
     python benchmarks/speed.py                 # CPU (and CUDA when present), both architectures
     python benchmarks/speed.py --smoke         # seconds: checks the script still runs
+    python benchmarks/speed.py --part pe-cost --arch cifar   # only each PE against none (pe_cost.json/.md)
 
 Measurements alternate A B A B so that drift (thermal, other load) hits both sides alike; each number
 is the median over rounds. Results: OUT/speed.json and OUT/speed.md.
@@ -100,19 +101,44 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
     return 2 * n**3 / s
 
 
+def arch_setup(a: Dict, device: torch.device, args):
+    """The architecture (shrunk for --smoke), its batch and a batch of inputs."""
+    if args.smoke:
+        a = dict(a, depth=1, embed_dim=48, num_heads=3)
+    batch = 8 if args.smoke else args.batch or (128 if a["img_size"] <= 32 else 64)
+    x = torch.randn(batch, 3, a["img_size"], a["img_size"], device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    return a, batch, x, y
+
+
+def selected_archs(args) -> Dict[str, Dict]:
+    archs = {k: v for k, v in ARCHS.items() if not args.smoke or v["img_size"] == 32}
+    return {k: v for k, v in archs.items() if args.arch is None or k.startswith(args.arch)}
+
+
+def bench_pe_cost(device: torch.device, arch_name: str, a: Dict, args) -> List[Dict]:
+    """The cost of each PE: training throughput relative to "none", same architecture, alternated."""
+    a, batch, x, y = arch_setup(a, device, args)
+    dtype = torch.bfloat16 if device.type == "cuda" else None
+    pes = vitpe.list_pos_embeds() + ["sincos2d+rope_mixed"]
+    fns = {pe: step_fn(vitpe_vit(a, 10, pe).to(device), x, y, dtype, True) for pe in pes}
+    times = alternate(fns, args.iters, args.rounds, device)
+    rows = []
+    for pe in pes:
+        r = ratio(times, "none", pe)
+        rows.append({"device": str(device), "arch": arch_name, "mode": "eager", "step": "train (PE cost)", "pe": pe,
+                     "img_s": batch / statistics.median(times[pe]), "ratio_over_none": r["median"], "ratio_range": [r["min"], r["max"]],
+                     "rounds": args.rounds})
+        print(json.dumps(rows[-1]))
+    return rows
+
+
 def bench_device(device: torch.device, args) -> List[Dict]:
     rows = []
     dtype = torch.bfloat16 if device.type == "cuda" else None
     modes = [("eager", False)] + ([("compile", True)] if device.type == "cuda" and not args.smoke else [])
-    archs = {k: v for k, v in ARCHS.items() if not args.smoke or v["img_size"] == 32}
-    for arch_name, a in archs.items():
-        if args.smoke:
-            a = dict(a, depth=1, embed_dim=48, num_heads=3)
-        batch = args.batch or (128 if a["img_size"] <= 32 else 64)
-        if args.smoke:
-            batch = 8
-        x = torch.randn(batch, 3, a["img_size"], a["img_size"], device=device)
-        y = torch.randint(0, 10, (batch,), device=device)
+    for arch_name, a0 in selected_archs(args).items():
+        a, batch, x, y = arch_setup(a0, device, args)
         for mode, compile_ in modes:
             for train in (True, False):
                 models = {"timm": timm_vit(a, 10).to(device), "vitpe": vitpe_vit(a, 10).to(device)}
@@ -132,17 +158,7 @@ def bench_device(device: torch.device, args) -> List[Dict]:
                         row[f"{k}_tflop_s"] = row[f"{k}_gflop_per_step"] / sec[k] / 1e3
                 rows.append(row)
                 print(json.dumps(row))
-        # The cost of each PE: training throughput relative to "none", same architecture, alternated.
-        pes = vitpe.list_pos_embeds() + ["sincos2d+rope_mixed"]
-        fns = {pe: step_fn(vitpe_vit(a, 10, pe).to(device), x, y, dtype, True) for pe in pes}
-        times = alternate(fns, args.iters, args.rounds, device)
-        for pe in pes:
-            r = ratio(times, "none", pe)
-            row = {"device": str(device), "arch": arch_name, "mode": "eager", "step": "train (PE cost)", "pe": pe,
-                   "img_s": batch / statistics.median(times[pe]), "ratio_over_none": r["median"], "ratio_range": [r["min"], r["max"]],
-                   "rounds": args.rounds}
-            rows.append(row)
-            print(json.dumps(row))
+        rows += bench_pe_cost(device, arch_name, a0, args)
     peak = matmul_peak(device, torch.bfloat16 if device.type == "cuda" else torch.float32, 512 if args.smoke else (8192 if device.type == "cuda" else 2048))
     rows.append({"device": str(device), "step": "matmul peak", "tflop_s": peak / 1e12,
                  "dtype": "bf16" if device.type == "cuda" else "fp32"})
@@ -223,21 +239,25 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int)
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--part", choices=["all", "pe-cost"], default="all",
+                   help="pe-cost: only each PE's training throughput against none (writes pe_cost.json/.md)")
+    p.add_argument("--arch", help="only the architectures whose name starts with this (e.g. cifar)")
     args = p.parse_args(argv)
     if args.smoke:
         args.iters, args.rounds = 1, 1
     torch.manual_seed(0)
-    rows = bench_device(torch.device("cpu"), args)
-    if torch.cuda.is_available():
-        rows += bench_device(torch.device("cuda"), args)
-    rows.append(bench_data(args))
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    if args.part == "pe-cost":
+        rows, name = [row for d in devices for k, a in selected_archs(args).items() for row in bench_pe_cost(d, k, a, args)], "pe_cost"
+    else:
+        rows, name = [row for d in devices for row in bench_device(d, args)] + [bench_data(args)], "speed"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    (out / "speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    write_markdown(rows, meta, out / "speed.md")
-    print(f"wrote {out / 'speed.json'} and {out / 'speed.md'}")
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_markdown(rows, meta, out / f"{name}.md")
+    print(f"wrote {out / f'{name}.json'} and {out / f'{name}.md'}")
     return 0
 
 

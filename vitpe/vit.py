@@ -205,7 +205,7 @@ class VisionTransformer(nn.Module):
 
     ``img_size`` fixes the *reference grid* (``img_size // patch_size``) in whose units coordinates are
     measured; inputs of other sizes get a new grid and new coordinates (``coord_mode``: ``"interpolate"``
-    keeps the reference extent, ``"extrapolate"`` extends it). ``pos_embed`` is a registry name or a
+    keeps the reference extent, ``"extrapolate"`` extends it, ``"normalize"`` puts centres in [-1, 1]). ``pos_embed`` is a registry name or a
     '+'-combination (``vitpe.list_pos_embeds()``), ``pos_embed_kwargs`` its options. ``coord_aug``
     (``{"shift": .., "rescale": .., "jitter": ..}``, see :class:`CoordAugment`) perturbs the coordinates
     in training mode only. ``forward(x, patch_size=p)`` runs with a FlexiViT-resized patch embedding.
