@@ -3,6 +3,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import vitpe
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,6 +36,10 @@ def test_speed_smoke(tmp_path):
     assert all(r["ratio_vitpe_over_timm"] > 0 and r["vitpe_peak_mib"] > 0 and r["timm_peak_mib"] > 0 for r in rows if "ratio_vitpe_over_timm" in r)
     md = (tmp_path / "speed.md").read_text()
     assert "| rope_mixed |" in md and "matmul peak" in md and "data loading" in md
+    assert {r["pe"] for r in rows if "pe" in r} == set(vitpe.list_pos_embeds()) | {"sincos2d+rope_mixed"}  # every family's cost
+    assert load("speed").main(["--smoke", "--part", "pe-cost", "--out", str(tmp_path / "pe")]) == 0
+    only = json.loads((tmp_path / "pe" / "pe_cost.json").read_text())["rows"]
+    assert {r["step"] for r in only} == {"train (PE cost)"} and "| liere |" in (tmp_path / "pe" / "pe_cost.md").read_text()
 
 
 def test_accuracy_smoke(tmp_path):

@@ -43,14 +43,16 @@ def position_tokens(x: Tensor, pos: PosContext, prefix: Sequence[Optional[Tensor
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, pos: Optional[PosContext], layer: int, dropout_p: float = 0.0, num_queries: Optional[int] = None
+    q: Tensor, k: Tensor, v: Tensor, pos: Optional[PosContext], layer: int, dropout_p: float = 0.0, num_queries: Optional[int] = None,
+    mixed: bool = False,
 ) -> Tensor:
     """Attention with the PE applied: rotate q and k, add the bias as a float mask, merge the heads.
     ``q, k, v``: ``(B, H, T, hd)`` -> ``(B, Q, H*hd)``. Shared by vitpe's and equipped timm attention.
-    ``num_queries`` keeps only the first Q queries (``Q = T`` by default): the tokens whose outputs are used."""
+    ``num_queries`` keeps only the first Q queries (``Q = T`` by default): the tokens whose outputs are used.
+    ``mixed``: the PE's mix (STRING) was folded into the projection (:meth:`PosContext.fold_mix`)."""
     bias = None
     if pos is not None:
-        q, k = pos.rotate(q, k, layer)
+        q, k = pos.rotate(q, k, layer, mixed)
         bias = pos.mask_at(layer)
         bias = bias if bias is None or bias.dtype == torch.bool else bias.to(q.dtype)  # bool: packed rows
     if num_queries is not None:
@@ -85,19 +87,24 @@ class Attention(nn.Module):
         self.proj = nn.Linear(inner, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def _split(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        return rearrange(self.qkv(x), "b t (s h d) -> s b h t d", s=3, h=self.num_heads).unbind(0)  # (B, H, T, hd)
+    def _split(self, x: Tensor, pos: Optional[PosContext] = None) -> Tuple[Tensor, Tensor, Tensor]:
+        """q, k, v ``(B, H, T, hd)``; a PE's mix (STRING) is folded into the q and k projections on the way."""
+        if pos is None or pos.mix is None:
+            qkv = self.qkv(x)
+        else:
+            qkv = F.linear(x, *pos.fold_mix(self.qkv.weight, self.qkv.bias, self.num_heads))
+        return rearrange(qkv, "b t (s h d) -> s b h t d", s=3, h=self.num_heads).unbind(0)
 
     def forward(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0, num_queries: Optional[int] = None) -> Tensor:
         """``(B, T, dim) -> (B, Q, dim)``: outputs of the first ``num_queries`` tokens (all by default)."""
-        out = attend(*self._split(x), pos, layer, self.attn_drop if self.training else 0.0, num_queries)
+        out = attend(*self._split(x, pos), pos, layer, self.attn_drop if self.training else 0.0, num_queries, mixed=True)
         return self.proj_drop(self.proj(out))
 
     def attention_logits(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0) -> Tensor:
         """The explicit (slow) path: ``q k^T / sqrt(d) + bias`` as ``(B, H, T, T)``, for inspection."""
-        q, k, _ = self._split(x)
+        q, k, _ = self._split(x, pos)
         if pos is not None:
-            q, k = pos.rotate(q, k, layer)
+            q, k = pos.rotate(q, k, layer, mixed=True)
         logits = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
         mask = None if pos is None else pos.mask_at(layer)
         if mask is None:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..coords import PatchGrid, Size2, to_2tuple
-from .functional import rotate_blocks, rotate_complex, rotate_pairs
+from .functional import blocks_to_dense, rotate_blocks, rotate_complex, rotate_dense, rotate_pairs
 
 __all__ = ["PosEmbed", "PosContext"]
 
@@ -56,8 +56,8 @@ class PosContext:
     cos: Optional[Tensor] = None
     sin: Optional[Tensor] = None
     rot: Optional[Tensor] = None  # cos + i sin, for float32/float64: the faster complex-product rotation
-    mats: Optional[Tensor] = None  # (L|1, [B], heads|1, T, K, b, b) block rotations, instead of cos/sin
-    mix: Optional[Tensor] = None  # (heads, head_dim, head_dim) orthogonal map before the rotation
+    mats: Optional[Tensor] = None  # block rotations instead of cos/sin: (L|1, B, heads|1, T, K, b, b), shared (L|1, heads, T, hd, hd)
+    mix: Optional[Tensor] = None  # (heads, head_dim, head_dim) orthogonal map before the rotation (see fold_mix)
     conditional: Optional["PosEmbed"] = None
     condition_layers: FrozenSet[int] = frozenset()
     mask: Optional[Tensor] = None
@@ -69,9 +69,19 @@ class PosContext:
         """``x``: ``(B, N, dim)`` patch tokens (no prefix)."""
         return x if self.tokens is None else x + self.tokens
 
-    def rotate(self, q: Tensor, k: Tensor, layer: int) -> Tuple[Tensor, Tensor]:
-        """``q, k``: ``(B, heads, T, head_dim)``."""
-        if self.mix is not None:
+    def fold_mix(self, weight: Tensor, bias: Optional[Tensor], num_heads: int) -> Tuple[Tensor, Optional[Tensor]]:
+        """A fused qkv projection's ``weight`` ``(3 H hd, dim)`` and ``bias`` with :attr:`mix` folded into its q and k rows
+        (STRING's ``P W_q``, ``P W_k``): the mix then costs a ``hd x hd x dim`` product per head instead of one per token."""
+        def fold(t: Tensor) -> Tensor:
+            q, k, v = t.unflatten(0, (3, num_heads, -1)).unbind(0)  # (H, hd, ...)
+            q, k = (torch.einsum("hij,hj...->hi...", self.mix.to(t.dtype), z) for z in (q, k))
+            return torch.stack([q, k, v]).flatten(0, 2)
+
+        return fold(weight), None if bias is None else fold(bias)
+
+    def rotate(self, q: Tensor, k: Tensor, layer: int, mixed: bool = False) -> Tuple[Tensor, Tensor]:
+        """``q, k``: ``(B, heads, T, head_dim)``; ``mixed``: :attr:`mix` is already in them (:meth:`fold_mix`)."""
+        if self.mix is not None and not mixed:
             mix = self.mix.to(q.dtype).transpose(-1, -2)
             q, k = q @ mix, k @ mix
         first = self.cos if self.mats is None else self.mats
@@ -85,7 +95,9 @@ class PosContext:
         rot, cos, sin, mats = (t if t is None else t[i] for t in self._layers)
         if mats is not None:
             mats = mats.to(q.dtype)
-            return rotate_blocks(q, mats), rotate_blocks(k, mats)
+            if self.grid.batched:
+                return rotate_blocks(q, mats), rotate_blocks(k, mats)
+            return rotate_dense(torch.stack([q, k]), mats).unbind(0)
         if rot is not None and q.dtype == k.dtype == self.cos.dtype:
             return rotate_complex(q, rot), rotate_complex(k, rot)
         return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)  # half precision: complex32 is not supported everywhere
@@ -270,6 +282,8 @@ class PosEmbed(nn.Module):
             ctx.mats = torch.cat([eye, mats], -4).to(dtype)  # prefix tokens: the identity
             if magnitude is not None:
                 ctx.mats = ctx.mats * _per_token(magnitude, grid.batched, extra=3).to(dtype)
+            if not grid.batched:  # one rotation per token for the whole batch: dense products are faster
+                ctx.mats = blocks_to_dense(ctx.mats)
         if angles is not None:
             angles = _layers_first(angles, grid.batched)
             angles = F.pad(angles, (0, 0, num_prefix, 0))  # prefix tokens: angle 0, the identity

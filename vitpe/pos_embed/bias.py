@@ -128,7 +128,7 @@ class FIRE(PosEmbed):
 
     acts_on = "attention logits"
 
-    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, hidden_dim: int = 32, c: float = 1.0) -> None:
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, hidden_dim: int = 32, c: float = 0.1) -> None:
         super().__init__(dim, num_heads, ref_grid, depth)
         if c <= 0:
             raise ValueError(f"fire c must be positive, got {c}")

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ..coords import PatchGrid, Size2
 from .base import PosEmbed
-from .functional import generator_rotations, skew
+from .functional import commuting_lattice_rotations, generator_rotations, skew
 from .registry import register_pos_embed
 from .rotary import length_ratio
 
@@ -28,6 +28,7 @@ class MatrixRotary(PosEmbed):
     the ComRoPE code's ``N(0, 1)`` for positions in ``[0, 1]``, in vitpe's unit of one reference patch."""
 
     acts_on = "q and k"
+    commuting: bool = False  # A_x A_y = A_y A_x, so exp(x A_x + y A_y) factors
 
     def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, block_size: int = 8,
                  init_std: Optional[float] = None, per_layer: bool = True, scaling: str = "none") -> None:
@@ -65,6 +66,9 @@ class MatrixRotary(PosEmbed):
         ratio = length_ratio(self, grid) if self.scaling == "pi" else None
         if ratio is not None:
             coords = coords / ratio.to(coords)  # position interpolation: back into the trained extent
+        if self.commuting and grid.spacing is not None:  # a lattice: w + h exponentials instead of h w
+            h, w = grid.size
+            return commuting_lattice_rotations(coords[:w, 0], coords[::w, 1], gens)
         return generator_rotations(coords, gens)  # ([B], L, H, N, K, b, b)
 
     def extra_repr(self) -> str:
@@ -94,6 +98,8 @@ class ComRoPE(MatrixRotary):
     depends only on the offset, with trainable ``b x b`` angle matrices. ``variant="ld"`` (linearly dependent): per
     block one skew matrix ``A``, scaled per axis, ``A_x = m_x A``, ``A_y = m_y A``. ``variant="ap"`` (axis
     partition): each block belongs to one axis (blocks alternate x, y) and turns with it alone."""
+
+    commuting = True
 
     def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, variant: str = "ld", **options) -> None:
         super().__init__(dim, num_heads, ref_grid, depth, **options)
