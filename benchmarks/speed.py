@@ -202,10 +202,11 @@ def bench_data(args) -> Dict:
 def write_markdown(rows: List[Dict], meta: Dict, path: Path) -> None:
     """The tables of docs/benchmarks.md, from speed.json's rows."""
     peak = {r["device"]: r["tflop_s"] for r in rows if r["step"] == "matmul peak"}
-    lines = [f"torch {meta['torch']}, {meta['threads']} threads" + (f", {meta['cuda']}" if meta["cuda"] else ""), "",
-             "| device | architecture | mode | step | batch | timm img/s | vitpe img/s | vitpe/timm (range) | peak MiB timm / vitpe "
-             "| GFLOP per step timm / vitpe | TFLOP/s timm / vitpe (% of matmul peak) |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [f"torch {meta['torch']}, {meta['threads']} threads" + (f", {meta['cuda']}" if meta["cuda"] else ""), ""]
+    if any("ratio_vitpe_over_timm" in r for r in rows):
+        lines += ["| device | architecture | mode | step | batch | timm img/s | vitpe img/s | vitpe/timm (range) | peak MiB timm / vitpe "
+                  "| GFLOP per step timm / vitpe | TFLOP/s timm / vitpe (% of matmul peak) |",
+                  "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if "ratio_vitpe_over_timm" in r:
             lo, hi = r["ratio_range"]
@@ -216,7 +217,9 @@ def write_markdown(rows: List[Dict], meta: Dict, path: Path) -> None:
             lines.append(f"| {r['device']} | {r['arch']} | {r['mode']} | {r['step']} | {r['batch']} | {r['timm_img_s']:.1f} | {r['vitpe_img_s']:.1f} "
                          f"| **{r['ratio_vitpe_over_timm']:.3f}** ({lo:.2f}-{hi:.2f}) | {r['timm_peak_mib']:.0f} / {r['vitpe_peak_mib']:.0f} "
                          f"| {gflop} | {flop} |")
-    lines += ["", "| device | architecture | PE | training img/s | over `none` (range) |", "| --- | --- | --- | ---: | ---: |"]
+    if lines[-1]:
+        lines.append("")
+    lines += ["| device | architecture | PE | training img/s | over `none` (range) |", "| --- | --- | --- | ---: | ---: |"]
     for r in rows:
         if r["step"] == "train (PE cost)":
             lo, hi = r["ratio_range"]

@@ -56,7 +56,7 @@ def test_options_route_to_the_parts_of_a_combination():
 def test_runs_forward_and_backward_at_new_resolutions(pe):
     model = small_vit(pe)
     for size in [(256, 256), (512, 512), (256, 384)]:
-        for mode in ("interpolate", "extrapolate"):
+        for mode in vitpe.COORD_MODES:
             model.coord_mode = mode
             model.zero_grad()
             out = model(torch.randn(2, 3, *size))
