@@ -363,7 +363,8 @@ class CoordAugment:
     Likhomanenko et al., NeurIPS 2021; DINOv3's RoPE augmentation, Simeoni et al. 2025): the model learns that
     positions are relative and scale-free, which helps at unseen resolutions. Off by default (all identities).
 
-    ``shift``: offset drawn uniformly in ``[-shift, shift]`` reference patches per axis.
+    ``shift``: offset drawn uniformly in ``[-shift, shift]`` coordinate units per axis (reference patches; in
+    normalize mode the box ``[-1, 1]``, as DINOv3's ``shift_coords``).
     ``rescale``: one factor drawn log-uniformly in ``[1/rescale, rescale]``, about the image centre.
     ``jitter``: a further per-axis factor drawn log-uniformly in ``[1/jitter, jitter]``.
     ``per_image``: one draw per image (a :class:`TokenGrid`; bias encodings then build one bias per image), or
