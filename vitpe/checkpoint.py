@@ -100,9 +100,17 @@ def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu", verify: b
     """Load and validate a vitpe checkpoint (a run directory or file); ``verify`` checks the stored checksum
     (checkpoints written before checksums existed load without one)."""
     p = find_checkpoint(path)
+    with open(p, "rb") as f:
+        head = f.read(4)
+    if not head:
+        raise CheckpointError(f"checkpoint {p} is empty (a write cut short); resume from an earlier copy or retrain")
+    if head != b"PK\x03\x04":  # torch.save writes a zip archive; anything else was never a checkpoint
+        kind = "a text file" if all(32 <= b < 127 or b in (9, 10, 13) for b in head) else "a binary file"
+        raise CheckpointError(f"{p} is not a vitpe checkpoint: it is {kind} (starts {head!r}), not the zip archive torch.save "
+                              "writes; give a run directory or its checkpoint.pt")
     try:
         state = torch.load(p, map_location=map_location, weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError, KeyError) as e:
         reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
         raise CheckpointError(f"checkpoint {p} is truncated or corrupt ({reason}); resume from an earlier copy or retrain") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:

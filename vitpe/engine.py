@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Dict, Optional, Sequence
+import sys
+import time
+from typing import Callable, Dict, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -51,6 +53,36 @@ def seed_step(*parts: int) -> None:
     torch.manual_seed(s)
 
 
+class Heartbeat:
+    """Progress lines for logs: where no progress bar shows (output to a file or a pipe: every cluster job, every
+    ``nohup``), at most one line every ``every`` seconds with the rate and the time left."""
+
+    def __init__(self, desc: str, total: int, every: float = 60.0, log: Callable[[str], None] = print, enabled: bool = True) -> None:
+        self.desc, self.total, self.every, self.log, self.enabled = desc, total, every, log, enabled
+        self.start = self.last = time.time()
+
+    def tick(self, done: int, extra: str = "") -> None:
+        now = time.time()
+        if not self.enabled or now - self.last < self.every or done <= 0:
+            return
+        self.last = now
+        rate = done / (now - self.start)
+        left = (self.total - done) / rate if rate > 0 else float("inf")
+        self.log(f"{self.desc}: {done}/{self.total} ({100 * done / max(self.total, 1):.0f}%), {now - self.start:.0f}s, "
+                 f"about {left:.0f}s left{extra}")
+
+
+def progress_steps(total: int, step: int, desc: str, progress: bool) -> Iterator[int]:
+    """``range(0, total, step)``, shown while it runs when ``progress``: a bar on a terminal, else a line every 30 s."""
+    from tqdm import tqdm
+
+    bar = progress and sys.stderr.isatty()
+    beat = Heartbeat(desc, total, every=30.0, enabled=progress and not bar)
+    for s in tqdm(range(0, total, step), desc=desc, leave=False, disable=not bar):
+        yield s
+        beat.tick(min(s + step, total))
+
+
 class Scores:
     """Running top-1, top-5, summed cross-entropy and per-class hits over batches of logits: one scoring rule for every
     way of evaluating (fixed size, patch resize, packed native aspect ratio)."""
@@ -92,7 +124,7 @@ def evaluate(
     batch_size: int = 512,
     device: torch.device = torch.device("cpu"),
     dtype: Optional[torch.dtype] = None,
-    progress: bool = False,
+    progress: bool = False,  # a bar on a terminal, progress lines in a log
     desc: str = "eval",
     patch_size: Optional[int] = None,
 ) -> Dict[str, float]:
@@ -100,12 +132,10 @@ def evaluate(
 
     ``images`` are uint8, already at the size to evaluate; ``patch_size`` runs a vitpe ViT with a resized patch embedding (FlexiViT).
     """
-    from tqdm import tqdm
-
     was_training = model.training
     model.eval()
     scores = Scores()
-    for s in tqdm(range(0, len(labels), batch_size), desc=desc, leave=False, disable=not progress):
+    for s in progress_steps(len(labels), batch_size, desc, progress):
         x = normalize(images[s : s + batch_size].to(device, non_blocking=True), mean, std)
         with autocast(device, dtype):
             logits = model(x) if patch_size is None else model(x, patch_size=patch_size)
@@ -128,8 +158,6 @@ def evaluate_native(
     """:func:`evaluate` with every test image at its own aspect ratio (``ds.aspects``; square when the dataset has
     none) and the area of a ``side x side`` image, packed (a vitpe ViT; NaViT's evaluation). Also returns the mean
     patch tokens per image."""
-    from tqdm import tqdm
-
     from .data.mixed import mixed_batch, native_sizes
 
     labels = ds.split(False)[1]
@@ -140,7 +168,7 @@ def evaluate_native(
     was_training = model.training
     model.eval()
     scores = Scores()
-    for s in tqdm(range(0, len(labels), batch_size), desc=desc, leave=False, disable=not progress):
+    for s in progress_steps(len(labels), batch_size, desc, progress):
         index = torch.arange(s, min(s + batch_size, len(labels)))
         x = mixed_batch(ds, False, index, sizes[s : s + batch_size], p, budget).to(device)
         with autocast(device, dtype):

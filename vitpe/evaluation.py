@@ -119,10 +119,10 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
         model.coord_mode = mode
         t0 = time.time()
         if route == "native":
-            res = evaluate_native(model, ds, h, batch_size, device, dtype, progress=sys.stderr.isatty(), desc=f"{desc} @ native")
+            res = evaluate_native(model, ds, h, batch_size, device, dtype, progress=True, desc=f"{desc} @ native")
         else:
             images, labels = ds.split(False, (h, w))
-            res = evaluate(model, images, labels, ds.mean, ds.std, batch_size, device, dtype, progress=sys.stderr.isatty(),
+            res = evaluate(model, images, labels, ds.mean, ds.std, batch_size, device, dtype, progress=True,
                            desc=f"{desc} @ {h}x{w}", patch_size=h // ref_h if route == "patch" else None)
         name = "native" if route == "native" else f"{h}x{w}" if h != w else str(h)
         yield {"coord_mode": mode, "route": route, "resolution": name, "height": h, "width": w, **res, "seconds": round(time.time() - t0, 2)}

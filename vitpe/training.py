@@ -12,7 +12,9 @@ metrics.jsonl / metrics.csv.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import logging
 import math
 import os
 import signal
@@ -32,7 +34,7 @@ from vitpe.config import Config, ConfigError, apply_overrides, config_from_dict,
 from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, normalize
 from vitpe.data.mixed import draw_sizes, mixed_batch
-from vitpe.engine import amp_dtype, autocast, evaluate, resolve_device, seed_step
+from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, resolve_device, seed_step
 from vitpe.errors import VitpeError, run_cli
 from vitpe.runs import RunError, RunLock, create_run_dir, safe_name, write_metrics  # noqa: F401 (safe_name: public name)
 
@@ -152,6 +154,46 @@ class Progress:
         return f"; rank {', '.join(map(str, behind))} stopped answering at epoch {at[behind[0]][0] + 1} step {at[behind[0]][1]}"
 
 
+def schedule_warnings(cfg: Config, steps_per_epoch: int) -> List[str]:
+    """What cannot work as configured in the learning-rate schedule and the EMA, in one line each (the run still starts)."""
+    t, total = cfg.train, cfg.train.epochs * steps_per_epoch
+    out = []
+    if t.warmup_epochs >= t.epochs:
+        out.append(f"train.warmup_epochs={t.warmup_epochs:g} covers the whole {t.epochs}-epoch run: the learning rate never "
+                   "leaves warm-up and never decays; lower train.warmup_epochs")
+    if t.ema_decay > 0:
+        horizon = 1 / (1 - t.ema_decay)
+        if horizon > total / 2:
+            out.append(f"train.ema_decay={t.ema_decay:g} averages over about {horizon:.0f} steps but the run has {total}: the EMA "
+                       "weights, on which test accuracy is measured, stay close to the random start; lower train.ema_decay, "
+                       "train longer, or compare with eval.py --no-ema")
+    return out
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def undertrained_hint(rows: List[Dict[str, Any]], num_classes: int, epochs: int) -> Optional[str]:
+    """A line when a finished run's metrics say it stopped too early: still climbing, or near chance."""
+    if not rows:
+        return None
+    last, chance = rows[-1]["test_top1"], 1 / num_classes
+    if len(rows) >= 2 and last - rows[-2]["test_top1"] > 0.01:
+        return (f"test top-1 still rose {100 * (last - rows[-2]['test_top1']):.1f} points in the last epoch: this run is probably "
+                f"undertrained; a new run with more epochs (e.g. --epochs {2 * epochs}) should do better")
+    if last < 1.5 * chance:
+        return f"test top-1 {100 * last:.1f}% is near chance ({100 * chance:.1f}%): the model has not learned yet; train longer or raise train.lr"
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -197,8 +239,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     model = VisionTransformer(**model_args).to(device)
     optimizer = create_optimizer_v2(model, "adamw", lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     warmup = round(cfg.train.warmup_epochs * steps_per_epoch)
-    scheduler = CosineLRScheduler(optimizer, t_initial=max(total_steps - warmup, 1), lr_min=cfg.train.min_lr, warmup_t=warmup,
-                                  warmup_lr_init=cfg.train.lr * 1e-3, warmup_prefix=True, t_in_epochs=False)
+    for line in schedule_warnings(cfg, steps_per_epoch):
+        log(f"warning: {line}")
+    with _quiet("timm.scheduler.cosine_lr"):  # its "no effect" notice, said above in vitpe's words
+        scheduler = CosineLRScheduler(optimizer, t_initial=max(total_steps - warmup, 1), lr_min=cfg.train.min_lr, warmup_t=warmup,
+                                      warmup_lr_init=cfg.train.lr * 1e-3, warmup_prefix=True, t_in_epochs=False)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     ema = ModelEmaV3(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
     mixup = None
@@ -396,8 +441,9 @@ class Job:
         if self.rank == 0:
             write_metrics(self.run, self.rows)
             r = self.rows[-1]
+            weights = " (EMA weights)" if self.ema is not None else ""
             self.log(f"epoch {self.epoch}/{cfg.train.epochs}: train loss {r['train_loss']:.3f} acc {r['train_acc']:.3f} | "
-                     f"test loss {r['test_loss']:.3f} top-1 {r['test_top1']:.4f} | {r['images_per_s']:.0f} img/s, "
+                     f"test{weights} loss {r['test_loss']:.3f} top-1 {r['test_top1']:.4f} | {r['images_per_s']:.0f} img/s, "
                      f"data {100 * r['data_time_frac']:.0f}% of step time, {elapsed:.0f}s")
 
 
@@ -428,8 +474,11 @@ def train_loop(job: Job) -> int:
                 tally = Tally(**job.partial)  # a resumed epoch goes on counting from where it stopped
                 loss_sum = torch.tensor(tally.loss_sum, device=job.device, dtype=torch.float64)
                 job.partial, t_epoch = {}, time.time()
-                bar = tqdm(total=job.steps_per_epoch, initial=job.step, desc=f"epoch {job.epoch + 1}/{cfg.train.epochs}",
-                           disable=job.rank != 0 or not sys.stderr.isatty(), dynamic_ncols=True)
+                desc = f"epoch {job.epoch + 1}/{cfg.train.epochs}"
+                tty = sys.stderr.isatty()
+                bar = tqdm(total=job.steps_per_epoch, initial=job.step, desc=desc, disable=job.rank != 0 or not tty, dynamic_ncols=True)
+                beat = Heartbeat(f"{desc} step", job.steps_per_epoch, every=60.0, log=log, enabled=job.rank == 0 and not tty)
+                first = job.step
                 while job.step < job.steps_per_epoch:
                     if progress is not None:
                         progress.mark(job.epoch, job.step)
@@ -452,8 +501,10 @@ def train_loop(job: Job) -> int:
                         if not math.isfinite(avg):
                             raise TrainingError(f"loss became {avg} at epoch {job.epoch + 1} step {job.step}; {job.kept()}. "
                                                 f"Lower train.lr, keep train.grad_clip on, or use train.amp=bf16 instead of fp16")
-                        bar.set_postfix(loss=f"{avg:.3f}", acc=f"{tally.correct / tally.seen:.3f}",
-                                        img_s=f"{tally.seen * world / (time.time() - t_epoch):.0f}")
+                        rate = f"{tally.seen * world / (time.time() - t_epoch):.0f}"
+                        bar.set_postfix(loss=f"{avg:.3f}", acc=f"{tally.correct / tally.seen:.3f}", img_s=rate)
+                        beat.total, beat.start = job.steps_per_epoch - first, t_epoch
+                        beat.tick(job.step - first, f" | train loss {avg:.3f} acc {tally.correct / tally.seen:.3f}, {rate} img/s")
                     bar.update(1)
                 bar.close()
                 job.finish_epoch(tally, loss_sum, tally.epoch_s + time.time() - t_epoch, started)
@@ -474,9 +525,13 @@ def train_loop(job: Job) -> int:
             raise
 
     if job.rows:
-        log(f"done in {time.time() - started:.0f}s: test top-1 {job.rows[-1]['test_top1']:.4f}\n"
+        log(f"done in {time.time() - started:.0f}s: test top-1 {job.rows[-1]['test_top1']:.4f}"
+            f"{' (EMA weights; eval.py --no-ema for the raw ones)' if job.ema is not None else ''}\n"
             f"  run:        {run}\n  checkpoint: {run / CHECKPOINT_NAME}\n  metrics:    {run / 'metrics.csv'} (and metrics.jsonl)\n"
             f"  evaluate at other resolutions: python eval.py {run}")
+        hint = undertrained_hint(job.rows, job.ds.num_classes, cfg.train.epochs)
+        if hint:
+            log(f"note: {hint}")
     return 0
 
 

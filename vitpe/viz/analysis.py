@@ -87,7 +87,9 @@ def pe_similarity(pe: PosEmbed, grid_size: Size2, query: Tuple[int, int], mode: 
 def attention_distance(model: VisionTransformer, images: Tensor) -> Tensor:
     """Mean attention distance per layer and head, in input pixels (Dosovitskiy et al. 2021, Fig. 7):
     for each patch query, the attention-weighted distance to the patch keys, averaged over queries and
-    images. Attention to prefix tokens is left out and the rest renormalised. Returns ``(depth, heads)``."""
+    images. Attention to prefix tokens is left out and the rest renormalised; a query that puts (numerically) all its
+    attention on prefix tokens has no patch distance and is left out of the mean. Returns ``(depth, heads)``; NaN only
+    where every query of a head attends to prefix tokens alone."""
     model.eval()
     x, pos = model.embed(images)
     p = model.num_prefix_tokens
@@ -98,7 +100,11 @@ def attention_distance(model: VisionTransformer, images: Tensor) -> Tensor:
     inputs = [x, *model.run_blocks(x, pos)][:-1]  # what each block sees
     for i, (blk, x) in enumerate(zip(model.blocks, inputs)):
         attn = blk.attn.attention_logits(blk.norm1(x), pos, i).softmax(-1)[:, :, p:, p:]  # (B, H, N, N)
-        attn = attn / attn.sum(-1, keepdim=True)
-        out.append((attn * dist).sum(-1).mean(dim=(0, 2)))
+        mass = attn.sum(-1)  # (B, H, N): attention left on patches
+        has = mass > 1e-6
+        per_query = (attn * dist).sum(-1) / mass.clamp(min=1e-6)  # (B, H, N)
+        count = has.sum(dim=(0, 2))
+        total = torch.where(has, per_query, torch.zeros_like(per_query)).sum(dim=(0, 2))
+        out.append(torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, float("nan"))))
     return torch.stack(out).cpu()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -34,6 +35,18 @@ def _pe_from_args(args) -> Tuple[PosEmbed, str]:
     ref = args.ref_grid or args.grid
     pe = build_pos_embed(args.pe, dim=args.dim, num_heads=args.heads, ref_grid=tuple(ref), depth=1)
     return pe, args.pe
+
+
+def _json_safe(x):
+    """``x`` with every non-finite float as ``null`` (strict JSON has no NaN or infinity; LookHere masks with -inf,
+    a head attending only to the class token has no patch distance)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -76,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             maps = pe_similarity(pe, grid, query, args.mode)
             draw_maps(maps, query, f"{label}: similarity to position {query} ({args.mode})", out / f"{stem}.png")
             data = {"query": query, **{k: v.tolist() for k, v in maps.items()}}
-        (out / f"{stem}.json").write_text(json.dumps(data))
+        (out / f"{stem}.json").write_text(json.dumps(_json_safe(data)))
         print(f"wrote {out / (stem + '.png')} and {stem}.json")
         return 0
 
@@ -95,9 +108,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             d = attention_distance(model, normalize(images[: args.images], ds.mean, ds.std))
             results[f"{cfg.model.pos_embed} @ {res}px" + (f" [{Path(ckpt).name}]" if len(args.checkpoints) > 1 else "")] = d
     draw_distance(results, out / "attention_distance.png", "mean attention distance per layer (dots: heads)")
-    (out / "attention_distance.json").write_text(json.dumps({k: v.tolist() for k, v in results.items()}, indent=1))
-    for k, d in results.items():
-        print(f"{k}: mean distance per layer (px) " + " ".join(f"{v:.1f}" for v in d.mean(1).tolist()))
+    (out / "attention_distance.json").write_text(json.dumps(_json_safe({k: v.tolist() for k, v in results.items()}), indent=1))
+    for k, d in results.items():  # a head with no patch attention at all (NaN) is left out of its layer's mean
+        print(f"{k}: mean distance per layer (px) " + " ".join(f"{v:.1f}" for v in d.nanmean(1).tolist()))
     print(f"wrote {out / 'attention_distance.png'} and attention_distance.json")
     return 0
 

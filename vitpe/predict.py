@@ -1,0 +1,91 @@
+"""Classify image files with a trained run: the top classes of each, as a table (or JSON).
+
+    python -m vitpe.predict photo.png more/*.jpg --run runs/NAME          # top 3 classes of each image
+    python -m vitpe.predict digit.png --run runs/NAME --size 48 --top 5    # at another resolution: new coordinates
+
+Each image is read as the run's data was (RGB, or grayscale for 1-channel data), resized to the training size
+(or ``--size``, any multiple of the patch size, ``HxW`` for non-square), normalised with the dataset's statistics
+and classified by the run's EMA weights when it kept them (``--no-ema``: the raw ones).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .checkpoint import model_from_checkpoint
+from .data import DataError
+from .data.augment import normalize
+from .errors import run_cli
+
+__all__ = ["read_images", "predict", "main"]
+
+
+def read_images(paths: Sequence[str], in_chans: int, size: Tuple[int, int]) -> Tensor:
+    """uint8 ``(N, in_chans, h, w)``: each file decoded, converted (RGB or grayscale) and resized bicubically to ``size``."""
+    from PIL import Image, UnidentifiedImageError
+    from torchvision.transforms.functional import pil_to_tensor
+
+    from .data.datasets import _to_rgb
+
+    out = []
+    for path in paths:
+        try:
+            with Image.open(path) as im:
+                rgb = _to_rgb(im, str(path))
+                im = rgb if in_chans == 3 else rgb.convert("L")
+                out.append(pil_to_tensor(im.resize(size[::-1], Image.BICUBIC)))
+        except FileNotFoundError:
+            raise DataError(f"image {path} does not exist") from None
+        except (UnidentifiedImageError, OSError) as e:
+            raise DataError(f"{path} is not an image vitpe can read ({type(e).__name__}); give PNG, JPEG or another format PIL opens") from None
+    return torch.stack(out)
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, images: Tensor, mean: Sequence[float], std: Sequence[float], top: int = 3) -> Tuple[Tensor, Tensor]:
+    """Top-``top`` probabilities and class indices ``(N, top)`` of uint8 ``images``."""
+    probs = model.eval()(normalize(images, mean, std)).float().softmax(-1)
+    return probs.topk(min(top, probs.shape[-1]), dim=-1)
+
+
+def parse_size(text: str) -> Tuple[int, int]:
+    h, _, w = text.lower().partition("x")
+    try:
+        return int(h), int(w or h)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size must be N or HxW, got {text!r}") from None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m vitpe.predict", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("images", nargs="+", metavar="IMAGE")
+    p.add_argument("--run", required=True, metavar="RUN_DIR_OR_CHECKPOINT", help="the trained run (runs/NAME) or its checkpoint.pt")
+    p.add_argument("--size", type=parse_size, metavar="N|HxW", help="input size (default: the training size)")
+    p.add_argument("--top", type=int, default=3, help="classes to show per image (default 3)")
+    p.add_argument("--no-ema", action="store_true", help="the raw weights even if the run kept an EMA")
+    p.add_argument("--json", action="store_true", help="print JSON lines instead of the table")
+    args = p.parse_args(argv)
+    model, state = model_from_checkpoint(args.run, ema=not args.no_ema)
+    data: Dict = state["data"]
+    size = args.size or tuple(model.img_size)
+    model.grid_size(size)  # one clear line for a size that is not a multiple of the patch size
+    images = read_images(args.images, data["in_chans"], size)
+    probs, index = predict(model, images, data["mean"], data["std"], args.top)
+    classes = data["classes"]
+    for path, ps, ix in zip(args.images, probs.tolist(), index.tolist()):
+        ranked = [(classes[i], round(q, 4)) for i, q in zip(ix, ps)]
+        if args.json:
+            print(json.dumps({"image": str(path), "top": [{"class": c, "p": q} for c, q in ranked]}))
+        else:
+            print(f"{Path(path).name}: " + ", ".join(f"{c} {q:.3f}" for c, q in ranked))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
