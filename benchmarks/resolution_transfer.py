@@ -65,7 +65,7 @@ def evaluate_run(run: Path, data: str, name: str, args) -> List[Dict]:
             label = f"{name} ({r['coord_mode']})" if r["route"] == "coords" else f"{name} (patch resize)"
             rows.append({"data": data, "pe": name, "coord_mode": r["coord_mode"], "route": r["route"], "label": label, "scale": scale,
                          "resolution": r["resolution"], "height": r["height"], "width": r["width"], "train_size": size, "top1": r["top1"],
-                         "loss": r["loss"], "n": r["n"], "seconds": r["seconds"], "run": str(run)})
+                         "loss": r["loss"], "n": r["n"], "seconds": r["seconds"], "run": str(run), "chance": 1 / ds.num_classes})
             print(f"[{data} {name}] {label:<40} {r['height']:>4}px ({scale}x): top-1 {100 * r['top1']:.2f}")
     return rows
 

@@ -138,14 +138,22 @@ def plot(rows: List[Dict], path: Path, title: str) -> None:
     for i, label in enumerate(labels):
         pts = sorted((r["height"] * r["width"], r["top1"], r["resolution"]) for r in rows if r["label"] == label)
         ax.plot([p[0] ** 0.5 for p in pts], [100 * p[1] for p in pts], marker="o", label=label, color=colours[i % len(colours)])
-    train_sizes = sorted({r["train_size"] for r in rows})
-    for s in train_sizes:
-        ax.axvline(s, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log", base=2)
     ticks = sorted({(r["height"] * r["width"]) ** 0.5 for r in rows})
     ax.set_xticks(ticks, [next(r["resolution"] for r in rows if (r["height"] * r["width"]) ** 0.5 == t) for t in ticks])
     ax.minorticks_off()
-    ax.set_xlabel("input resolution (dotted: training resolution)")
+    lo, hi = min(ticks), max(ticks)
+    for s in sorted({r["train_size"] for r in rows}):  # labelled, and inside the axes even when not evaluated there
+        ax.axvline(s, color="grey", lw=0.8, ls=":")
+        ax.annotate(f"trained at {s}", (s, 1), xycoords=("data", "axes fraction"), xytext=(3, -3), textcoords="offset points",
+                    fontsize=7, color="grey", va="top", rotation=90)
+        lo, hi = min(lo, s), max(hi, s)
+    ax.set_xlim(lo / 1.15, hi * 1.15)
+    for chance in sorted({r["chance"] for r in rows if r.get("chance")}):  # rows of older results have none
+        ax.axhline(100 * chance, color="grey", lw=0.8, ls="--")
+        ax.annotate(f"chance {100 * chance:.3g}%", (0, 100 * chance), xycoords=("axes fraction", "data"), xytext=(3, 2),
+                    textcoords="offset points", fontsize=7, color="grey")
+    ax.set_xlabel("input resolution (dotted: training resolution; dashed: chance)")
     ax.set_ylabel("top-1 accuracy (%)")
     finish_plot(fig, ax, title, path)
 
@@ -177,13 +185,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise ConfigError(f"{ckpt} was trained for {model.num_classes} classes / {model.in_chans} channels, but {name} has "
                               f"{ds.num_classes} / {ds.in_chans}; evaluate it on its own dataset ({cfg.data.name})")
         modes = {"checkpoint": [cfg.model.coord_mode], "both": ["interpolate", "extrapolate"], "all": list(COORD_MODES)}.get(args.coord_mode, [args.coord_mode])
-        controls = ""
+        controls = " (raw weights)" if args.no_ema and state.get("ema") is not None else ""
         if args.rope_scaling is not None or args.p_rope is not None:
             try:
                 set_rope_extrapolation(model, args.rope_scaling, args.p_rope)
             except ValueError as e:
                 raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
-            controls = "".join(f" [{k} {v}]" for k, v in (("rope", args.rope_scaling), ("p-rope", args.p_rope)) if v is not None)
+            controls += "".join(f" [{k} {v}]" for k, v in (("rope", args.rope_scaling), ("p-rope", args.p_rope)) if v is not None)
         dtype = amp_dtype(cfg.train.amp, device)
         variants = [(m, r) for r in routes for m in (modes if r == "coords" else modes[:1])]  # patch route: the trained grid
         for mode, route in variants:
@@ -194,7 +202,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             plan = [(mode, route, hw) for hw in resolutions] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
             for row in evaluate_at(model, ds, plan, device, dtype, args.batch_size, label):
                 rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": name,
-                             "rope_scaling": args.rope_scaling, "p_rope": args.p_rope,
+                             "rope_scaling": args.rope_scaling, "p_rope": args.p_rope, "chance": 1 / ds.num_classes,
+                             "weights": "ema" if state.get("ema") is not None and not args.no_ema else "raw",
                              "train_size": train_size, "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
 
     first = Path(args.checkpoints[0])

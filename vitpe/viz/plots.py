@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import Dict, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["pyplot", "finish_plot", "draw_matrix", "draw_maps", "draw_distance"]
+__all__ = ["pyplot", "wrapped", "finish_plot", "draw_matrix", "draw_maps", "draw_distance"]
 
 
 def pyplot():
@@ -21,9 +22,15 @@ def pyplot():
     return plt
 
 
+def wrapped(title: str, fig, fontsize: float = 12) -> str:
+    """``title`` broken into lines that fit ``fig``'s width, so a long run name is never cut off at the edges."""
+    chars = max(20, int(fig.get_figwidth() * 72 / (0.6 * fontsize)))
+    return "\n".join(textwrap.wrap(title, chars))
+
+
 def finish_plot(fig, ax, title: str, path: Path) -> None:
     """Title, grid, legend, and save: the common end of every line plot."""
-    ax.set_title(title)
+    ax.set_title(wrapped(title, fig))
     ax.grid(alpha=0.3)
     if len(ax.get_legend_handles_labels()[1]) > 6:  # many lines: legend beside the plot, not over it
         fig.set_figwidth(fig.get_figwidth() + 3)
@@ -47,7 +54,7 @@ def draw_matrix(mats: Dict[str, Tensor], title: str, path: Path) -> None:
         ax.set_ylabel(labels[kind][1])
         ax.set_title(f"{kind}")
         fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.suptitle(title)
+    fig.suptitle(wrapped(title, fig))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -68,7 +75,7 @@ def draw_maps(maps: Dict[str, Tensor], query: Tuple[int, int], title: str, path:
         ax.set_xticks([])
         ax.set_yticks([])
         fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.suptitle(title)
+    fig.suptitle(wrapped(title, fig, 11), fontsize=11)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -81,7 +88,9 @@ def draw_distance(results: Dict[str, Tensor], path: Path, title: str) -> None:
         layers = torch.arange(d.shape[0]).float() + 1 + (k - (len(results) - 1) / 2) * 0.08
         for head in range(d.shape[1]):
             ax.scatter(layers, d[:, head], s=14, color=f"C{k}", label=label if head == 0 else None)
-        ax.plot(layers, d.mean(1), color=f"C{k}", alpha=0.6)
+        ax.plot(layers, d.nanmean(1), color=f"C{k}", alpha=0.6)
+    depth = max(d.shape[0] for d in results.values())
+    ax.set_xticks(range(1, depth + 1))  # layers are whole numbers
     ax.set_xlabel("layer")
     ax.set_ylabel("mean attention distance (pixels)")
     finish_plot(fig, ax, title, path)

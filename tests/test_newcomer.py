@@ -1,0 +1,119 @@
+"""What a newcomer meets (issue 16): which weights a number comes from, warnings for schedules that cannot work,
+progress in logs, one-line errors for foreign files, prediction on image files, finite attention distances."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import vitpe
+from vitpe import training as train_script
+from vitpe import viz
+from vitpe.checkpoint import CheckpointError, load_checkpoint
+from vitpe.config import load_config
+from vitpe.engine import Heartbeat
+from vitpe.errors import run_cli
+from vitpe.predict import main as predict_main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    args = ["--config", TINY, "--out-dir", str(out), "--name", "ema", "--epochs", "1", "--set", "train.warmup_epochs=2",
+            "--set", "train.ema_decay=0.999"]
+    return out / "ema", args
+
+
+def test_ema_runs_say_whose_numbers_they_print_and_warn_about_schedules_that_cannot_work(ema_run, capsys, caplog):
+    run, args = ema_run
+    assert train_script.main(args) == 0
+    out = capsys.readouterr().out
+    assert "warning: train.warmup_epochs=2 covers the whole 1-epoch run" in out
+    assert "warning: train.ema_decay=0.999 averages over about 1000 steps but the run has 8" in out
+    assert "test (EMA weights) loss" in out and "(EMA weights; eval.py --no-ema for the raw ones)" in out
+    assert "Cosine annealing scheduler" not in out + caplog.text  # timm's notice, said above in vitpe's words
+    assert "note: test top-1" in out  # one epoch at chance: the undertrained hint
+
+
+def test_no_warnings_for_a_sound_schedule():
+    cfg = load_config(TINY)
+    assert train_script.schedule_warnings(cfg, 8) == []
+
+
+def test_undertrained_hint():
+    rows = [{"test_top1": 0.50}, {"test_top1": 0.58}]
+    assert "rose 8.0 points in the last epoch" in train_script.undertrained_hint(rows, 10, 7)
+    assert "--epochs 14" in train_script.undertrained_hint(rows, 10, 7)
+    assert "near chance" in train_script.undertrained_hint([{"test_top1": 0.12}], 10, 1)
+    assert train_script.undertrained_hint([{"test_top1": 0.90}, {"test_top1": 0.905}], 10, 7) is None
+
+
+def test_heartbeat_prints_progress_lines_with_the_time_left():
+    lines = []
+    beat = Heartbeat("epoch 1/3 step", 100, every=0.0, log=lines.append)
+    beat.tick(25, " | train loss 1.234")
+    assert len(lines) == 1 and lines[0].startswith("epoch 1/3 step: 25/100 (25%)") and "left | train loss 1.234" in lines[0]
+    quiet = Heartbeat("x", 100, every=3600.0, log=lines.append)
+    quiet.tick(50)
+    assert len(lines) == 1  # at most one line per interval
+
+
+def test_foreign_files_are_refused_in_one_line_with_the_right_diagnosis(tmp_path):
+    for name, content in [("h.pt", b"hello, not a checkpoint"), ("config.yaml", b"model:\n  img_size: 16\n"), ("bin.pt", b"\x00\x01\x02\x03")]:
+        f = tmp_path / name
+        f.write_bytes(content)
+        with pytest.raises(CheckpointError, match=r"is not a vitpe checkpoint: it is a (text|binary) file"):
+            load_checkpoint(f)
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="is empty"):
+        load_checkpoint(tmp_path / "empty.pt")
+
+
+def test_attention_distance_is_finite_when_a_head_attends_only_to_the_class_token(monkeypatch):
+    m = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3, pos_embed="none")
+    real = type(m.blocks[0].attn).attention_logits
+
+    def on_cls(self, x, pos=None, layer=0):
+        logits = real(self, x, pos, layer)
+        logits[:, 0, :, 0] = 1e4  # head 0 looks only at the class token: no patch attention left to measure
+        return logits
+
+    monkeypatch.setattr(type(m.blocks[0].attn), "attention_logits", on_cls)
+    d = viz.attention_distance(m, torch.randn(2, 3, 16, 16))
+    assert torch.isnan(d[:, 0]).all() and torch.isfinite(d[:, 1]).all()  # no patch distance: NaN, never a division by 0
+
+
+def test_predict_prints_the_top_classes_of_image_files(tmp_path, capsys):
+    from PIL import Image
+
+    from vitpe.data import load_dataset
+
+    out = tmp_path / "runs"
+    assert train_script.main(["--config", TINY, "--out-dir", str(out), "--name", "p", "--epochs", "1"]) == 0
+    ds = load_dataset("shapes", train_size=64, test_size=8)
+    x, _ = ds.split(False, (16, 16))
+    paths = []
+    for i in range(2):
+        paths.append(str(tmp_path / f"img{i}.png"))
+        Image.fromarray(x[i].permute(1, 2, 0).numpy()).save(paths[-1])
+    capsys.readouterr()
+    assert predict_main([*paths, "--run", str(out / "p"), "--top", "2", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["image"] for r in rows] == paths and all(len(r["top"]) == 2 for r in rows)
+    assert all(r["top"][0]["p"] >= r["top"][1]["p"] and r["top"][0]["class"] in ds.classes for r in rows)
+    # the same as the model on the same pixels
+    model, _ = vitpe.checkpoint.model_from_checkpoint(out / "p")
+    from vitpe.data.augment import normalize
+
+    with torch.no_grad():
+        want = model(normalize(x[:2], ds.mean, ds.std)).argmax(-1).tolist()
+    assert [ds.classes.index(r["top"][0]["class"]) for r in rows] == want
+    assert predict_main([paths[0], "--run", str(out / "p"), "--size", "24x32"]) == 0  # another resolution
+    assert capsys.readouterr().out.startswith("img0.png: ")
+    assert run_cli(predict_main, [str(tmp_path / "missing.png"), "--run", str(out / "p")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert run_cli(predict_main, [paths[0], "--run", str(out / "p"), "--size", "30"]) == 2
+    assert "not a multiple of patch_size" in capsys.readouterr().err
