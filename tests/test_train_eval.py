@@ -193,6 +193,7 @@ def test_eval_table_json_csv_and_plot(tiny_run, tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     printed = capsys.readouterr().out
     assert "16x24" in printed and "sincos2d (interpolate)" in printed
+    assert "sincos2d (extrapolate) @ 16x24: top-1" in printed  # not a terminal: a line per result as it comes
 
 
 def test_eval_top1_matches_training_metrics_at_the_training_resolution(tiny_run, tmp_path):

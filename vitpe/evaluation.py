@@ -205,6 +205,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "rope_scaling": args.rope_scaling, "p_rope": args.p_rope, "chance": 1 / ds.num_classes,
                              "weights": "ema" if state.get("ema") is not None and not args.no_ema else "raw",
                              "train_size": train_size, "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
+                if not sys.stdout.isatty():  # a log (nohup, a cluster job): a line per result, not silence until the table
+                    print(f"{label} @ {row['resolution']}: top-1 {100 * row['top1']:.2f}% ({row['seconds']:.0f}s)", flush=True)
 
     first = Path(args.checkpoints[0])
     out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -477,8 +477,8 @@ def train_loop(job: Job) -> int:
                 desc = f"epoch {job.epoch + 1}/{cfg.train.epochs}"
                 tty = sys.stderr.isatty()
                 bar = tqdm(total=job.steps_per_epoch, initial=job.step, desc=desc, disable=job.rank != 0 or not tty, dynamic_ncols=True)
-                beat = Heartbeat(f"{desc} step", job.steps_per_epoch, every=60.0, log=log, enabled=job.rank == 0 and not tty)
-                first = job.step
+                first = job.step  # a resumed epoch: its progress lines count this session's steps
+                beat = Heartbeat(f"{desc} step", job.steps_per_epoch - first, every=60.0, log=log, enabled=job.rank == 0 and not tty)
                 while job.step < job.steps_per_epoch:
                     if progress is not None:
                         progress.mark(job.epoch, job.step)
@@ -503,7 +503,6 @@ def train_loop(job: Job) -> int:
                                                 f"Lower train.lr, keep train.grad_clip on, or use train.amp=bf16 instead of fp16")
                         rate = f"{tally.seen * world / (time.time() - t_epoch):.0f}"
                         bar.set_postfix(loss=f"{avg:.3f}", acc=f"{tally.correct / tally.seen:.3f}", img_s=rate)
-                        beat.total, beat.start = job.steps_per_epoch - first, t_epoch
                         beat.tick(job.step - first, f" | train loss {avg:.3f} acc {tally.correct / tally.seen:.3f}, {rate} img/s")
                     bar.update(1)
                 bar.close()
