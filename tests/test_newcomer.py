@@ -117,3 +117,14 @@ def test_predict_prints_the_top_classes_of_image_files(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert run_cli(predict_main, [paths[0], "--run", str(out / "p"), "--size", "30"]) == 2
     assert "not a multiple of patch_size" in capsys.readouterr().err
+
+
+def test_two_evaluations_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    from vitpe import evaluation as eval_script
+
+    out = tmp_path / "runs"
+    assert train_script.main(["--config", TINY, "--out-dir", str(out), "--name", "e", "--epochs", "1"]) == 0
+    monkeypatch.setattr(eval_script.time, "strftime", lambda fmt: "20261122-120000")  # the same second, twice
+    for _ in range(2):
+        assert eval_script.main([str(out / "e"), "--resolutions", "16"]) == 0
+    assert sorted(p.name for p in (out / "e").glob("eval-*")) == ["eval-20261122-120000", "eval-20261122-120000-2"]

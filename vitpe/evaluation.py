@@ -210,6 +210,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     first = Path(args.checkpoints[0])
     out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    if not args.out:  # two evaluations within one second: the second gets its own directory
+        base, n = out, 2
+        while out.exists():
+            out, n = base.with_name(f"{base.name}-{n}"), n + 1
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"output {out} exists and is not an empty directory; choose another --out")
     made = not out.exists()
