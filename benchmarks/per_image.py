@@ -37,7 +37,7 @@ from vitpe.data import load_dataset
 from vitpe.data.augment import normalize
 from vitpe.data.mixed import draw_sizes, mixed_batch
 from vitpe.runs import safe_name, train_or_reuse
-from vitpe.timing import alternate, ratio
+from vitpe.timing import alternate, flops_per_call, ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 # The models measured, as VisionTransformer arguments (their configs' model sections): the main job (python train.py),
@@ -155,14 +155,6 @@ def part_token_keep(args) -> List[Dict]:
                          "speedup_min": r["min"], "speedup_max": r["max"], "ideal": 1 / k})
             print(f"[token_keep] {arch} r={k}: {rows[-1]['img_s']:.0f} img/s, {r['median']:.2f}x (ideal {1 / k:.1f}x)")
     return rows
-
-
-def flops_per_call(fn: Callable[[], None]) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
 
 
 # (name, sides drawn per axis, row length): the first setup's attention runs over 144-token rows where a 32x32 image

@@ -11,7 +11,6 @@ is the median over rounds. Results: OUT/speed.json and OUT/speed.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 import vitpe
 from vitpe.data import load_dataset
 from vitpe.data.augment import BatchAugment, normalize
-from vitpe.timing import alternate, ratio, timed
+from vitpe.timing import alternate, flops_per_call, matmul_peak, ratio, step_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,26 +42,6 @@ def timm_vit(a: Dict, num_classes: int) -> torch.nn.Module:
 
 def vitpe_vit(a: Dict, num_classes: int, pe: str = "learned") -> torch.nn.Module:
     return vitpe.VisionTransformer(**a, num_classes=num_classes, pos_embed=pe)
-
-
-def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dtype, train: bool) -> Callable[[], None]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ctx = (lambda: torch.autocast(x.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
-
-    def train_step():
-        with ctx():
-            loss = F.cross_entropy(model(x).float(), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    @torch.no_grad()
-    def infer_step():
-        with ctx():
-            model(x)
-
-    model.train(train)
-    return train_step if train else infer_step
 
 
 def peak_memory_mib(fn: Callable[[], None], device: torch.device) -> float:
@@ -84,21 +63,6 @@ def peak_memory_mib(fn: Callable[[], None], device: torch.device) -> float:
         cur += e.self_cpu_memory_usage
         peak = max(peak, cur)
     return peak / 2**20
-
-
-def flops_per_call(fn: Callable[[], None]) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
-
-
-def matmul_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    s = timed(lambda: a @ b, 3, device)
-    s = min(s, timed(lambda: a @ b, 5, device))
-    return 2 * n**3 / s
 
 
 def arch_setup(a: Dict, device: torch.device, args):

@@ -68,3 +68,14 @@ def test_per_image_smoke(tmp_path):
     assert {r["setup"] for r in data["packing"]} == {"16-48 px, rows of 144 tokens", "16-32 px, rows of 64 tokens", "16-32 px, rows of 128 tokens"}
     assert all(0 < r["fill"] <= 1 for r in data["packing"])
     assert "### packing" in (tmp_path / "per_image.md").read_text()
+
+
+def test_cpu_levers_smoke(tmp_path):
+    # compile is left out: its first step compiles for seconds; the part runs in the hand-run benchmark
+    assert load("cpu_levers").main(["--smoke", "--out", str(tmp_path), "--parts", "bf16", "adamw", "profile", "--arch", "main"]) == 0
+    rows = json.loads((tmp_path / "cpu_levers.json").read_text())["rows"]
+    assert [r["part"] for r in rows] == ["bf16", "adamw", "profile"]
+    prof = rows[-1]
+    assert 0 < prof["fraction_of_peak"] < 1.5 and abs(sum(prof["share_by_kind"].values()) - 1) < 1e-6
+    assert rows[0]["ratio_bf16_over_fp32"] > 0 and rows[1]["foreach_img_s"] > 0
+    assert "of the fp32 matmul peak" in (tmp_path / "cpu_levers.md").read_text()

@@ -453,7 +453,14 @@ def train_loop(job: Job) -> int:
 
     cfg, run, log, world = job.cfg, job.run, job.log, job.world
     distributed = world > 1
-    net = torch.compile(job.model) if cfg.train.compile else job.model
+    net = job.model
+    if cfg.train.compile:
+        # One static graph per training size, each compiled once: with dynamic shapes torch 2.14's inductor fails in
+        # backward at the second size of a multi-resolution run (a specialised input stride).
+        from torch import _dynamo
+
+        _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 2 * len(job.sizes) + 4)
+        net = torch.compile(job.model, dynamic=False)
     if distributed:
         net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[job.device.index] if job.device.type == "cuda" else None)
     n_params = sum(p.numel() for p in job.model.parameters())

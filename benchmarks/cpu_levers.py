@@ -1,0 +1,205 @@
+#!/usr/bin/env python
+"""What makes a small ViT train faster on a CPU: each lever measured side by side in one process (issue 14).
+
+    nice python benchmarks/cpu_levers.py                      # every part, both architectures (~25 min on 2 cores)
+    python benchmarks/cpu_levers.py --parts profile --arch main
+    python benchmarks/cpu_levers.py --smoke                   # seconds: checks the script still runs
+
+Parts: ``compile`` (torch.compile against eager, and the recompiles of a multi-resolution run), ``bf16`` (autocast
+against fp32, with the matrix products alone to say where the difference comes from), ``adamw`` (for-loop, foreach
+and fused implementations), ``profile`` (the eager step's time by kind of operation and its FLOP/s against the
+fp32 matmul peak). Results: OUT/cpu_levers.json and OUT/cpu_levers.md, written after each part.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+
+import vitpe
+from vitpe.config import load_config
+from vitpe.timing import alternate, flops_per_call, matmul_peak, ratio, step_fn
+
+ROOT = Path(__file__).resolve().parents[1]
+_main = load_config(ROOT / "configs" / "shapes.yaml").model
+ARCHS = {
+    "main": dict(img_size=32, patch_size=_main.patch_size, embed_dim=_main.embed_dim, depth=_main.depth, num_heads=_main.num_heads,
+                 mlp_ratio=_main.mlp_ratio, pool=_main.pool),
+    "192d": dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0),
+}
+PARTS = ("compile", "bf16", "adamw", "profile")
+KINDS = {  # profiler op name -> kind of work, first match wins
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul"),
+    "attention": ("scaled_dot_product",),
+    "optimizer": ("_foreach_", "adam", "aten::lerp", "aten::addcdiv", "aten::addcmul", "aten::sqrt"),
+    "layer norm": ("layer_norm",),
+    "gelu": ("gelu",),
+    "patch embedding (conv)": ("convolution",),
+    "softmax / loss": ("softmax", "nll_loss", "cross_entropy"),
+    "copies and layout": ("copy_", "aten::cat", "aten::stack", "clone", "contiguous", "aten::to", "_to_copy", "permute", "transpose"),
+    "elementwise": ("aten::add", "aten::mul", "aten::div", "aten::sub", "aten::sum", "aten::mean", "fill_", "zero_"),
+}
+
+
+def model_and_batch(arch: str, batch: int, smoke: bool):
+    a = dict(ARCHS[arch], depth=1) if smoke else ARCHS[arch]
+    torch.manual_seed(0)
+    model = vitpe.VisionTransformer(**a, num_classes=10, pos_embed="sincos2d")
+    return model, torch.randn(batch, 3, a["img_size"], a["img_size"]), torch.randint(0, 10, (batch,))
+
+
+def part_compile(arch: str, args) -> Dict:
+    import torch._dynamo as dynamo
+
+    model, x, y = model_and_batch(arch, args.batch, args.smoke)
+    compiled = torch.compile(model)
+    t0 = time.time()
+    step_fn(compiled, x, y)()
+    first = time.time() - t0
+    times = alternate({"eager": step_fn(model, x, y), "compile": step_fn(compiled, x, y)}, args.iters, args.rounds, torch.device("cpu"))
+    r = ratio(times, "eager", "compile")
+    explain = dynamo.explain(model)(x)
+    # A multi-resolution run: sizes cycled as train.resolutions does; how often does it compile? Static shapes, one graph
+    # per size (train.py's setting): with dynamic shapes torch 2.14's inductor fails in backward at the second size
+    # (an input stride it specialised), see docs/benchmarks.md.
+    dynamo.reset()
+    compiled = torch.compile(model, dynamic=False)
+    sizes = [16, 24, 32, 40] if not args.smoke else [16, 32]
+    before = dynamo.utils.counters["stats"]["unique_graphs"]
+    t0 = time.time()
+    for i in range(args.multires_steps):
+        s = sizes[i % len(sizes)]
+        step_fn(compiled, torch.nn.functional.interpolate(x, size=(s, s)), y)()
+    graphs = dynamo.utils.counters["stats"]["unique_graphs"] - before
+    return {"part": "compile", "arch": arch, "eager_img_s": args.batch / statistics.median(times["eager"]),
+            "compile_img_s": args.batch / statistics.median(times["compile"]), "ratio_compile_over_eager": r["median"],
+            "ratio_range": [r["min"], r["max"]], "first_compiled_step_s": first, "graph_breaks": explain.graph_break_count,
+            "multires_sizes": sizes, "multires_steps": args.multires_steps, "multires_graphs_compiled": graphs,
+            "multires_wall_s": time.time() - t0}
+
+
+def part_bf16(arch: str, args) -> Dict:
+    model, x, y = model_and_batch(arch, args.batch, args.smoke)
+    times = alternate({"fp32": step_fn(model, x, y), "bf16": step_fn(model, x, y, torch.bfloat16)}, args.iters, args.rounds,
+                      torch.device("cpu"))
+    r = ratio(times, "fp32", "bf16")
+    n = 256 if args.smoke else 1024
+    peaks = {str(d).split(".")[-1]: matmul_peak(torch.device("cpu"), d, n) for d in (torch.float32, torch.bfloat16)}
+    # The shapes the model's products have: batch x tokens rows, width columns (the qkv projection).
+    m, k = args.batch * (ARCHS[arch]["img_size"] // ARCHS[arch]["patch_size"]) ** 2, ARCHS[arch]["embed_dim"]
+    shaped = {}
+    for d in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(m, k, dtype=d), torch.randn(k, 3 * k, dtype=d)
+        shaped[str(d).split(".")[-1]] = alternate({"mm": lambda: a @ b}, 5, 3, torch.device("cpu"))["mm"]
+    mm = {name: 2 * m * k * 3 * k / statistics.median(v) for name, v in shaped.items()}
+    return {"part": "bf16", "arch": arch, "fp32_img_s": args.batch / statistics.median(times["fp32"]),
+            "bf16_img_s": args.batch / statistics.median(times["bf16"]), "ratio_bf16_over_fp32": r["median"],
+            "ratio_range": [r["min"], r["max"]], "square_matmul_tflop_s": {k: v / 1e12 for k, v in peaks.items()},
+            "qkv_shaped_matmul_tflop_s": {k: v / 1e12 for k, v in mm.items()}, "qkv_shape": [m, k, 3 * k]}
+
+
+def part_adamw(arch: str, args) -> Dict:
+    model, x, y = model_and_batch(arch, args.batch, args.smoke)
+    fns = {}
+    for impl, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
+        try:
+            fns[impl] = step_fn(model, x, y, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4, **kw))
+        except (RuntimeError, TypeError, ValueError) as e:  # an older torch without fused AdamW on CPU
+            print(f"[adamw] {impl} unavailable: {e}")
+    times = alternate(fns, args.iters, args.rounds, torch.device("cpu"))
+    return {"part": "adamw", "arch": arch, **{f"{k}_img_s": args.batch / statistics.median(v) for k, v in times.items()},
+            **{f"ratio_{k}_over_foreach": ratio(times, "foreach", k)["median"] for k in times if k != "foreach"}}
+
+
+def part_profile(arch: str, args) -> Dict:
+    from torch.profiler import profile
+
+    model, x, y = model_and_batch(arch, args.batch, args.smoke)
+    step = step_fn(model, x, y)
+    for _ in range(2):
+        step()
+    flops = flops_per_call(step)
+    steps = 2 if args.smoke else 5
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sec = (time.perf_counter() - t0) / steps
+    with profile() as prof:
+        for _ in range(steps):
+            step()
+    by_kind: Dict[str, float] = {}
+    total = 0.0
+    for e in prof.key_averages():
+        us = e.self_cpu_time_total
+        total += us
+        kind = next((k for k, names in KINDS.items() if any(n in e.key for n in names)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + us
+    peak = matmul_peak(torch.device("cpu"), torch.float32, 256 if args.smoke else 2048)
+    return {"part": "profile", "arch": arch, "step_s": sec, "gflop_per_step": flops / 1e9, "tflop_s": flops / sec / 1e12,
+            "fp32_matmul_peak_tflop_s": peak / 1e12, "fraction_of_peak": flops / sec / peak,
+            "share_by_kind": {k: v / total for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}}
+
+
+def write_markdown(rows: List[Dict], meta: Dict, path: Path) -> None:
+    lines = [f"torch {meta['torch']}, {meta['threads']} threads, batch {meta['batch']}", ""]
+    for r in rows:
+        head = f"- **{r['part']}**, {r['arch']}: "
+        if r["part"] == "compile":
+            lo, hi = r["ratio_range"]
+            lines.append(head + f"compile/eager **{r['ratio_compile_over_eager']:.3f}** ({lo:.2f}-{hi:.2f}), {r['eager_img_s']:.0f} -> "
+                         f"{r['compile_img_s']:.0f} img/s; first compiled step {r['first_compiled_step_s']:.0f} s; graph breaks "
+                         f"{r['graph_breaks']}; {r['multires_steps']} steps cycling {r['multires_sizes']} px compiled "
+                         f"{r['multires_graphs_compiled']} graphs in {r['multires_wall_s']:.0f} s")
+        elif r["part"] == "bf16":
+            lo, hi = r["ratio_range"]
+            sq, qkv = r["square_matmul_tflop_s"], r["qkv_shaped_matmul_tflop_s"]
+            lines.append(head + f"bf16/fp32 **{r['ratio_bf16_over_fp32']:.3f}** ({lo:.2f}-{hi:.2f}); square matmul fp32 "
+                         f"{sq['float32']:.3f} vs bf16 {sq['bfloat16']:.3f} TFLOP/s; qkv-shaped {r['qkv_shape']} fp32 "
+                         f"{qkv['float32']:.3f} vs bf16 {qkv['bfloat16']:.3f} TFLOP/s")
+        elif r["part"] == "adamw":
+            lines.append(head + ", ".join(f"{k[:-6]} {v:.0f} img/s" for k, v in r.items() if k.endswith("_img_s")) + "; "
+                         + ", ".join(f"{k[6:]} **{v:.3f}**" for k, v in r.items() if k.startswith("ratio_")))
+        elif r["part"] == "profile":
+            share = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["share_by_kind"].items())
+            lines.append(head + f"{r['step_s']:.3f} s per step, {r['gflop_per_step']:.1f} GFLOP, {r['tflop_s']:.3f} TFLOP/s = "
+                         f"**{100 * r['fraction_of_peak']:.0f}%** of the fp32 matmul peak ({r['fp32_matmul_peak_tflop_s']:.3f}); "
+                         f"self time by kind: {share}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--arch", nargs="+", choices=list(ARCHS), default=list(ARCHS))
+    p.add_argument("--iters", type=int, default=3, help="steps per timed round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--multires-steps", type=int, default=24)
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.iters, args.rounds, args.batch, args.multires_steps = 1, 1, 8, 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "batch": args.batch}
+    parts: Dict[str, Callable] = {"compile": part_compile, "bf16": part_bf16, "adamw": part_adamw, "profile": part_profile}
+    rows = []
+    for part in args.parts:
+        for arch in args.arch:
+            rows.append(parts[part](arch, args))
+            print(json.dumps(rows[-1]))
+            (out / "cpu_levers.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))  # after each part
+            write_markdown(rows, meta, out / "cpu_levers.md")
+    print(f"wrote {out / 'cpu_levers.json'} and {out / 'cpu_levers.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
