@@ -11,3 +11,16 @@ ALL_PE = vitpe.list_pos_embeds() + ["sincos2d+rope_mixed", "learned+rel_bias+peg
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _ctrl_c_reaches_python():
+    """The tests deliver SIGINT to themselves. A suite started in the background of a non-interactive shell (`cmd &`,
+    `nohup`) inherits SIGINT ignored, and train.py rightly keeps an ignored signal ignored: give Python its handler."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    if before is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
