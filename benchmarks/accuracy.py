@@ -34,7 +34,8 @@ CONFIGS = ROOT / "configs"
 # minute per run); they rank the families at a short budget, which favours the fixed encodings.
 PE_RECIPES: Dict[str, List[str]] = {
     "shapes": ["--config", str(CONFIGS / "shapes.yaml"), "--set", "train.epochs=3"],
-    "fashion_mnist": ["--config", str(CONFIGS / "fashion_mnist_cpu.yaml"), "--set", "train.epochs=1", "--set", "train.warmup_epochs=0.2"],
+    "fashion_mnist": ["--config", str(CONFIGS / "fashion_mnist_cpu.yaml"), "--set", "train.budget_min=null", "--set", "train.epochs=1",
+                      "--set", "train.warmup_epochs=0.2", "--set", "train.eval_tta=none"],
 }
 SMOKE = ["--config", str(CONFIGS / "tiny.yaml"), "--set", "train.epochs=1"]
 
@@ -46,8 +47,19 @@ def result_row(run: Path, suite: str, data: str, seed: int) -> Dict:
     cfg = checkpoint_config(state).to_dict()  # typed (defaults for keys added since), stored as plain values
     return {"suite": suite, "data": data, "pe": cfg["model"]["pos_embed"], "seed": seed, "top1": last["test_top1"], "test_loss": last["test_loss"],
             "params": params, "epochs": last["epoch"], "train_wall_s": last["wall_s"],
+            "train_steps_s": sum(r["epoch_s"] for r in state["metrics"]), "budget": state.get("budget"), "cpu": cpu_name(),
             "images_per_s": round(last["images_per_s"], 1), "model": cfg["model"], "recipe": {k: cfg[k] for k in ("data", "train")},
             "device": str(cfg["train"]["device"]), "torch": torch.__version__, "run": str(run)}
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux), so a wall time names the machine it was measured on."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or "unknown"
 
 
 def write_outputs(rows: List[Dict], out: Path) -> None:
@@ -143,6 +155,10 @@ def main(argv=None) -> int:
         print(f"[{name}] top-1 {100 * row['top1']:.2f}% ({row['params'] / 1e6:.2f}M params, {row['train_wall_s'] / 60:.1f} min training)")
         done = {r["run"] for r in rows}
         write_outputs([r for r in previous if r["run"] not in done] + rows, out)  # a partial study stays readable
+    if len(rows) > 1 and args.suite == "fmnist":
+        top = [100 * r["top1"] for r in rows]
+        print(f"{rows[0]['recipe_name']}: {statistics.mean(top):.2f} +- {statistics.stdev(top):.2f}% over seeds {args.seeds} "
+              f"({', '.join(f'{t:.2f}' for t in top)}), {statistics.mean(r['train_steps_s'] for r in rows) / 60:.1f} min of steps each")
     print(f"done in {(time.time() - started) / 60:.1f} min: {out / 'accuracy.json'}")
     return 0
 

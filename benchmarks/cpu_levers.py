@@ -24,16 +24,20 @@ import torch
 
 import vitpe
 from vitpe.config import load_config
+from vitpe.errors import VitpeError
 from vitpe.timing import alternate, flops_per_call, matmul_peak, ratio, step_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 _main = load_config(ROOT / "configs" / "shapes.yaml").model
-ARCHS = {
+_fm = load_config(ROOT / "configs" / "fashion_mnist_cpu.yaml").model
+ARCHS = {  # model arguments; the benchmark's batch is random images of img_size with in_chans channels
     "main": dict(img_size=32, patch_size=_main.patch_size, embed_dim=_main.embed_dim, depth=_main.depth, num_heads=_main.num_heads,
                  mlp_ratio=_main.mlp_ratio, pool=_main.pool),
     "192d": dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0),
+    "fmnist": dict(vars(_fm), in_chans=1),  # the Fashion-MNIST CPU recipe's model, its PE included
 }
-PARTS = ("compile", "bf16", "adamw", "profile")
+PARTS = ("compile", "bf16", "adamw", "profile", "content")
+CONTENT_KEEPS = (1.0, 0.65, 0.5)  # model.content_keep: the fraction of each image's patches kept, those with the most content
 KINDS = {  # profiler op name -> kind of work, first match wins
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul"),
     "attention": ("scaled_dot_product",),
@@ -47,11 +51,11 @@ KINDS = {  # profiler op name -> kind of work, first match wins
 }
 
 
-def model_and_batch(arch: str, batch: int, smoke: bool):
-    a = dict(ARCHS[arch], depth=1) if smoke else ARCHS[arch]
+def model_and_batch(arch: str, batch: int, smoke: bool, **overrides):
+    a = {"pos_embed": "sincos2d", "in_chans": 3, **ARCHS[arch], **overrides, **({"depth": 1} if smoke else {})}
     torch.manual_seed(0)
-    model = vitpe.VisionTransformer(**a, num_classes=10, pos_embed="sincos2d")
-    return model, torch.randn(batch, 3, a["img_size"], a["img_size"]), torch.randint(0, 10, (batch,))
+    model = vitpe.VisionTransformer(**a, num_classes=10)
+    return model, torch.randn(batch, a["in_chans"], a["img_size"], a["img_size"]), torch.randint(0, 10, (batch,))
 
 
 def part_compile(arch: str, args) -> Dict:
@@ -146,6 +150,29 @@ def part_profile(arch: str, args) -> Dict:
             "share_by_kind": {k: v / total for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}}
 
 
+def part_content(arch: str, args) -> Dict:
+    """The training step with model.content_keep against every token, same weights (the cost depends only on how many
+    tokens are kept, not on which); and, on real Fashion-MNIST when it is installed, how many patches are background."""
+    fns = {}
+    for keep in CONTENT_KEEPS:
+        model, x, y = model_and_batch(arch, args.batch, args.smoke, content_keep=keep)
+        fns[f"keep{keep:g}"] = step_fn(model, x, y)
+    times = alternate(fns, args.iters, args.rounds, torch.device("cpu"))
+    row = {"part": "content", "arch": arch, **{f"{k}_img_s": args.batch / statistics.median(v) for k, v in times.items()},
+           **{f"ratio_{k}_over_keep1": ratio(times, "keep1", k)["median"] for k in times if k != "keep1"}}
+    try:
+        from vitpe.data import load_dataset
+
+        ds = load_dataset("fashion_mnist", None, None, None, (28, 28))
+        imgs = ds.split(True, (28, 28))[0][: 256 if args.smoke else 10000].float()
+        p = ARCHS["fmnist"]["patch_size"]
+        energy = torch.nn.functional.avg_pool2d(imgs, p).flatten(1)  # mean pixel value per patch (background is 0)
+        row["fmnist_background_patch_fraction"] = (energy == 0).float().mean().item()
+    except VitpeError as e:  # no Fashion-MNIST here: the speed rows stand alone
+        print(f"[content] background fraction not measured: {e}")
+    return row
+
+
 def write_markdown(rows: List[Dict], meta: Dict, path: Path) -> None:
     lines = [f"torch {meta['torch']}, {meta['threads']} threads, batch {meta['batch']}", ""]
     for r in rows:
@@ -165,6 +192,11 @@ def write_markdown(rows: List[Dict], meta: Dict, path: Path) -> None:
         elif r["part"] == "adamw":
             lines.append(head + ", ".join(f"{k[:-6]} {v:.0f} img/s" for k, v in r.items() if k.endswith("_img_s")) + "; "
                          + ", ".join(f"{k[6:]} **{v:.3f}**" for k, v in r.items() if k.startswith("ratio_")))
+        elif r["part"] == "content":
+            lines.append(head + ", ".join(f"{k[:-6]} {v:.0f} img/s" for k, v in r.items() if k.endswith("_img_s")) + "; "
+                         + ", ".join(f"{k[6:]} **{v:.3f}**" for k, v in r.items() if k.startswith("ratio_"))
+                         + (f"; Fashion-MNIST patches that are all background: {100 * r['fmnist_background_patch_fraction']:.1f}%"
+                            if "fmnist_background_patch_fraction" in r else ""))
         elif r["part"] == "profile":
             share = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["share_by_kind"].items())
             lines.append(head + f"{r['step_s']:.3f} s per step, {r['gflop_per_step']:.1f} GFLOP, {r['tflop_s']:.3f} TFLOP/s = "
@@ -189,7 +221,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "batch": args.batch}
-    parts: Dict[str, Callable] = {"compile": part_compile, "bf16": part_bf16, "adamw": part_adamw, "profile": part_profile}
+    parts: Dict[str, Callable] = {"compile": part_compile, "bf16": part_bf16, "adamw": part_adamw, "profile": part_profile,
+                                  "content": part_content}
     rows = []
     for part in args.parts:
         for arch in args.arch:

@@ -214,7 +214,7 @@ def part_accuracy(args, speedup: float) -> List[Dict]:
     for seed in args.seeds:
         for keep, epochs in plans:
             name = safe_name(f"fmnist-cpu-keep{keep:g}-e{epochs}-seed{seed}")
-            cmd = ["--config", str(ROOT / "configs" / "fashion_mnist_cpu.yaml"), "--set", f"train.epochs={epochs}",
+            cmd = ["--config", str(ROOT / "configs" / "fashion_mnist_cpu.yaml"), "--set", "train.budget_min=null", "--set", f"train.epochs={epochs}",
                    "--set", f"train.token_keep={keep}", "--set", f"train.seed={seed}"]
             if args.smoke:
                 cmd += ["--set", "data.train_size=512", "--set", "data.test_size=256"]

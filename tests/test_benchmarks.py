@@ -79,3 +79,6 @@ def test_cpu_levers_smoke(tmp_path):
     assert 0 < prof["fraction_of_peak"] < 1.5 and abs(sum(prof["share_by_kind"].values()) - 1) < 1e-6
     assert rows[0]["ratio_bf16_over_fp32"] > 0 and rows[1]["foreach_img_s"] > 0
     assert "of the fp32 matmul peak" in (tmp_path / "cpu_levers.md").read_text()
+    assert load("cpu_levers").main(["--smoke", "--out", str(tmp_path / "c"), "--parts", "content", "--arch", "fmnist"]) == 0
+    row = json.loads((tmp_path / "c" / "cpu_levers.json").read_text())["rows"][0]
+    assert row["keep0.5_img_s"] > 0 and row["ratio_keep0.65_over_keep1"] > 0

@@ -226,6 +226,10 @@ def test_crop_translates_and_flip_respects_the_dataset():
     flips = BatchAugment("crop_flip", pad_fraction=0.0)(x.repeat(32, 1, 1, 1))
     flipped = sum(torch.equal(f, x[i % 2].flip(-1)) for i, f in enumerate(flips))
     assert 0 < flipped < 64
+    torch.manual_seed(1)
+    mirror_only = BatchAugment("flip")(x.repeat(32, 1, 1, 1))  # no translation: each image is itself or its mirror
+    assert all(torch.equal(f, x[i % 2]) or torch.equal(f, x[i % 2].flip(-1)) for i, f in enumerate(mirror_only))
+    assert sum(torch.equal(f, x[i % 2].flip(-1)) for i, f in enumerate(mirror_only)) == flipped  # the same draws as crop_flip
 
 
 @pytest.mark.parametrize("kind", ["trivial", "randaugment"])
@@ -263,3 +267,36 @@ def test_shapes_render_subsets_at_any_size_and_aspect():
     ds = load_dataset("shapes", train_size=16, test_size=8)
     full = ds.split(True, (24, 40))[0]
     assert torch.equal(ds.images_at(True, torch.tensor([3, 7]), (24, 40)), full[[3, 7]])
+
+
+def test_test_time_views_are_the_image_its_mirror_and_its_one_pixel_shifts():
+    from vitpe.data.augment import TTA_MODES, tta_views
+
+    x = torch.arange(2 * 3 * 5 * 6, dtype=torch.float32).reshape(2, 3, 5, 6)
+    assert [len(tta_views(x, m)) for m in TTA_MODES] == [1, 2, 5, 6]
+    plain, mirror = tta_views(x, "flip")
+    assert plain is x and torch.equal(mirror, x.flip(-1))
+    up, down, left, right = tta_views(x, "shift")[1:]
+    # Each view is the image moved by one pixel: inside, view[i] = x[i + d]; at the edge reflect padding fills in.
+    assert torch.equal(up[..., 1:, :], x[..., :-1, :]) and torch.equal(down[..., :-1, :], x[..., 1:, :])
+    assert torch.equal(left[..., :, 1:], x[..., :, :-1]) and torch.equal(right[..., :, :-1], x[..., :, 1:])
+    assert all(v.shape == x.shape for v in tta_views(x, "flip_shift"))
+    with pytest.raises(ValueError, match="unknown test-time augmentation 'rotate'; choose one of none, flip, shift, flip_shift"):
+        tta_views(x, "rotate")
+
+
+def test_evaluate_with_test_time_views_averages_the_probabilities():
+    import vitpe
+    from vitpe.data.augment import normalize, tta_views
+    from vitpe.engine import evaluate
+
+    torch.manual_seed(0)
+    model = vitpe.VisionTransformer(img_size=8, patch_size=4, in_chans=1, num_classes=4, embed_dim=16, depth=1, num_heads=2).eval()
+    images, labels = torch.randint(0, 256, (40, 1, 8, 8), dtype=torch.uint8), torch.randint(0, 4, (40,))
+    got = evaluate(model, images, labels, (0.5,), (0.25,), batch_size=16, tta="flip_shift")
+    with torch.no_grad():
+        probs = sum(model(v).softmax(-1) for v in tta_views(normalize(images, (0.5,), (0.25,)), "flip_shift")) / 6
+    assert got["top1"] == pytest.approx((probs.argmax(1) == labels).float().mean().item())
+    assert got["loss"] == pytest.approx(F.nll_loss(probs.log(), labels).item(), rel=1e-5)
+    plain = evaluate(model, images, labels, (0.5,), (0.25,), batch_size=16)
+    assert plain["loss"] != pytest.approx(got["loss"])  # the views changed the predictions

@@ -47,6 +47,7 @@ def test_undertrained_hint():
     rows = [{"test_top1": 0.50}, {"test_top1": 0.58}]
     assert "rose 8.0 points in the last epoch" in train_script.undertrained_hint(rows, 10, 7)
     assert "--epochs 14" in train_script.undertrained_hint(rows, 10, 7)
+    assert "--set train.budget_min=30" in train_script.undertrained_hint(rows, 10, 7, budget_min=15)  # a budget decided the epochs
     assert "near chance" in train_script.undertrained_hint([{"test_top1": 0.12}], 10, 1)
     assert train_script.undertrained_hint([{"test_top1": 0.90}, {"test_top1": 0.905}], 10, 7) is None
 

@@ -181,3 +181,46 @@ def test_batch_level_augmentation_combines_with_token_dropping_and_part_modes():
     torch.testing.assert_close(per_image.coords[1], shared.coords)
     # Each part may read the grid in its own mode; the per-image grid redoes the same augmentation in that mode.
     torch.testing.assert_close(per_image.in_mode("extrapolate").coords[2], shared.in_mode("extrapolate").coords, atol=1e-5, rtol=1e-5)
+
+
+def test_content_tokens_keeps_the_patches_that_differ_from_the_background():
+    from vitpe.coords import content_tokens
+
+    x = torch.zeros(2, 1, 16, 16)
+    x[0, :, 4:8, 8:12] = 1.0  # image 0: patch (row 1, col 2) = token 6, and a faint one, token 9
+    x[0, :, 9, 5] = 0.2
+    x[1, :, 12:16, 0:8] = -3.0  # image 1: tokens 12 and 13 (darker than the background counts as well)
+    assert content_tokens(x, 4, 2 / 16).tolist() == [[6, 9], [12, 13]]
+    # A bright background is background too: the border's median decides, not zero.
+    assert content_tokens(1.0 - x, 4, 2 / 16).tolist() == [[6, 9], [12, 13]]
+    assert content_tokens(x, 4, 1.0).tolist() == [list(range(16))] * 2 and content_tokens(x, 4, 0.01).shape == (2, 1)
+    with pytest.raises(ValueError, match=r"content_keep must be in \(0, 1\]"):
+        content_tokens(x, 4, 0.0)
+
+
+@pytest.mark.parametrize("pe", ["rope_axial+peg", "learned+rel_bias"])
+def test_content_keep_is_a_forward_given_those_tokens_in_training_and_evaluation(pe):
+    from vitpe.coords import content_tokens
+
+    torch.manual_seed(0)
+    kw = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5, pos_embed=pe, pool="mean")
+    kept_model = vitpe.VisionTransformer(content_keep=0.5, **kw)
+    full_model = vitpe.VisionTransformer(**kw)
+    full_model.load_state_dict(kept_model.state_dict())
+    x = torch.randn(3, 3, 16, 16)
+    x[:, :, :, :8] = 0.0  # a background half: the kept half is the content
+    for train in (False, True):
+        kept_model.train(train), full_model.train(train)
+        torch.manual_seed(1)
+        got = kept_model(x)
+        grid = TokenGrid.from_grid(full_model.patch_grid((4, 4), x.device), 3).take(content_tokens(x, 4, 0.5))
+        assert (grid.cells[..., 0] >= 2).all()  # columns 2 and 3: the right, non-background half
+        torch.manual_seed(1)
+        torch.testing.assert_close(got, full_model(x, grid=grid), atol=1e-6, rtol=1e-6)
+    assert kept_model.eval()(torch.randn(2, 3, 24, 32)).shape == (2, 5)  # another size: half of its 48 patches
+    with pytest.raises(ValueError, match="do not form one"):
+        kept_model.forward_intermediates(x, output_fmt="NCHW")
+    with pytest.raises(ValueError, match="a packed batch brings its own tokens"):
+        kept_model(pack_images([torch.randn(3, 16, 16)], 4, 16))
+    with pytest.raises(ValueError, match=r"content_keep must be in \(0, 1\]"):
+        vitpe.VisionTransformer(content_keep=1.5, **kw)

@@ -12,7 +12,7 @@ import torch
 from vitpe import evaluation as eval_script
 from vitpe import training as train_script
 from vitpe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from vitpe.config import ConfigError
+from vitpe.config import ConfigError, load_config
 from vitpe.runs import RunError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -320,3 +320,73 @@ def test_new_families_train_and_evaluate_with_rope_extrapolation(tmp_path, pe, c
     rows = json.loads((tmp_path / "ev" / "results.json").read_text())
     assert len(rows) == 2 and rows[0]["rope_scaling"] == controls[1] and "[rope " in rows[0]["label"]
     assert all(0 <= r["top1"] <= 1 for r in rows)
+
+
+class FixedRate(train_script.RateProbe):
+    """The probe's window as in a real run, with a known rate at its end."""
+
+    def tick(self):
+        return None if super().tick() is None else 128.0
+
+
+def test_a_time_budget_sets_the_epochs_from_the_measured_rate_and_resumes_with_them(tiny_run, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_script, "RateProbe", FixedRate)
+    # tiny: 8 steps x 32 images per epoch; 0.1 min at 128 img/s is 768 images, 3 epochs
+    assert train(tmp_path, "b", "--set", "train.budget_min=0.1") == 0
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["lr"] == pytest.approx(1e-5)  # the cosine was stretched to end with the budget's last step
+    assert load_config(str(tmp_path / "b" / "config.yaml")).train.epochs == 3  # the decision is on record
+    state = load_checkpoint(tmp_path / "b")
+    assert state["budget"] == {"images_per_s": 128.0, "epochs": 3} and state["config"]["train"]["epochs"] == 3
+    # Cut in epoch 2 and resumed: no second measurement, the same weights as the uninterrupted run.
+    import signal as signal_module
+
+    handle = signal_after_update("SIGINT", 12)
+    try:
+        assert train(tmp_path, "cut", "--set", "train.budget_min=0.1") == 128 + signal_module.SIGINT
+    finally:
+        handle.remove()
+    monkeypatch.setattr(train_script, "RateProbe", None)  # a resumed run that measured again would fail here
+    assert train_script.main(["--resume", str(tmp_path / "cut")]) == 0
+    assert_same_weights(weights(tmp_path / "cut"), weights(tmp_path / "b"))
+
+
+def test_a_time_budget_with_the_real_clock_records_a_consistent_plan(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="train.epochs was given but train.budget_min=0.01 decides the epochs"):
+        train(tmp_path, "x", "--set", "train.budget_min=0.01", "--epochs", "5")
+    assert train(tmp_path, "b", "--set", "train.budget_min=0.01") == 0
+    state = load_checkpoint(tmp_path / "b")
+    plan = state["budget"]
+    assert plan["images_per_s"] > 0 and plan["epochs"] == max(1, int(0.6 * plan["images_per_s"] // 256)) == state["epoch"]
+    assert "img/s measured over this run's first steps" in capsys.readouterr().out
+
+
+def test_test_time_augmentation_after_the_last_epoch_and_in_eval(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="shapes's labels change under a mirror image, so train.eval_tta=flip would mix classes"):
+        train(tmp_path, "x", "--set", "train.eval_tta=flip")
+    with pytest.raises(ConfigError, match="so data.augment=flip would do nothing"):
+        train(tmp_path, "x", "--set", "data.augment=flip")
+    with pytest.raises(ConfigError, match=r"train.eval_tta='mirror' is not valid"):
+        train(tmp_path, "x", "--set", "train.eval_tta=mirror")
+    assert train(tmp_path, "t", "--set", "train.eval_tta=shift") == 0
+    rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    assert "test_top1_tta_shift" not in rows[0] and 0 <= rows[-1]["test_top1_tta_shift"] <= 1  # the last epoch only
+    assert f"({rows[-1]['test_top1_tta_shift']:.4f} with test-time augmentation shift)" in capsys.readouterr().out
+    assert eval_script.main([str(tmp_path / "t"), "--resolutions", "16", "--tta", "shift", "--out", str(tmp_path / "e")]) == 0
+    row = json.loads((tmp_path / "e" / "results.json").read_text())[0]
+    assert row["tta"] == "shift" and row["top1"] == pytest.approx(rows[-1]["test_top1_tta_shift"])
+    with pytest.raises(ConfigError, match="use --tta shift"):
+        eval_script.main([str(tmp_path / "t"), "--tta", "flip", "--out", str(tmp_path / "e2")])
+
+
+def test_content_keep_trains_evaluates_and_predicts(tmp_path, capsys):
+    assert train(tmp_path, "ck", "--set", "model.content_keep=0.5", "--set", "train.token_keep=0.75") == 0
+    assert load_checkpoint(tmp_path / "ck")["model_args"]["content_keep"] == 0.5
+    assert eval_script.main([str(tmp_path / "ck"), "--resolutions", "16", "24", "--out", str(tmp_path / "e")]) == 0
+    rows = json.loads((tmp_path / "e" / "results.json").read_text())
+    assert [r["resolution"] for r in rows] == ["16", "24"] and all(0 <= r["top1"] <= 1 for r in rows)
+    with pytest.raises(ConfigError, match="evaluate it without --native"):
+        eval_script.main([str(tmp_path / "ck"), "--native", "--out", str(tmp_path / "e2")])
+    with pytest.raises(ConfigError, match="model.content_keep=0.5 selects tokens from whole images"):
+        train(tmp_path, "x", "--set", "model.content_keep=0.5", "--set", "train.max_tokens=64")

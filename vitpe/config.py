@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import yaml
 
 from .coords import COORD_MODES, CoordAugment
-from .data.augment import AUGMENTS
+from .data.augment import AUGMENTS, TTA_MODES
 from .engine import AMP_MODES
 from .errors import VitpeError
 from .suggest import did_you_mean
@@ -53,6 +53,7 @@ class ModelConfig:
     qkv_bias: bool = True
     norm_eps: float = 1e-6
     init_values: Optional[float] = None  # LayerScale (DeiT-III, RoPE-ViT); None: off
+    content_keep: float = 1.0  # keep this fraction of each image's patch tokens, those that differ most from its background (training and evaluation)
 
 
 @dataclass
@@ -61,7 +62,7 @@ class DataConfig:
     data_dir: Optional[str] = None  # where datasets live or are downloaded to (default: ./data)
     train_size: Optional[int] = None  # shapes: samples to generate; others: a subset (None: all)
     test_size: Optional[int] = None
-    augment: str = "none"  # none | crop | crop_flip | trivial | randaugment
+    augment: str = "none"  # none | flip | crop | crop_flip | trivial | randaugment
     mixup: float = 0.0  # mixup alpha (0: off)
     cutmix: float = 0.0  # cutmix alpha (0: off)
 
@@ -82,11 +83,15 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eval_batch_size: int = 512
+    eval_tta: str = "none"  # one more evaluation after the last epoch, averaging over test-time views: none | flip | shift | flip_shift
     resolutions: Optional[List[int]] = None  # multi-resolution training: a size drawn per batch from this set
     resolution_range: Optional[List[int]] = None  # ... or from every multiple of the patch size in [lo, hi]
     token_keep: float = 1.0  # keep this fraction of each image's patch tokens while training, a random subset per image (FLIP)
     max_tokens: Optional[int] = None  # pack images of mixed sizes and aspect ratios into rows of this many patch tokens (NaViT)
     time_limit_min: Optional[float] = None  # stop cleanly (with a checkpoint) after this many minutes
+    # Fit the run into this many minutes of training steps: train.epochs becomes the most whole epochs that fit at the
+    # step rate measured in the run's first steps (recorded in its config.yaml).
+    budget_min: Optional[float] = None
     dist_timeout_s: float = 600.0  # torchrun: a rank that does not answer for this long stops the run with a message
 
 
@@ -168,6 +173,7 @@ def _validate(cfg: Config) -> None:
         "model.coord_mode": (cfg.model.coord_mode, COORD_MODES),
         "data.augment": (cfg.data.augment, AUGMENTS),
         "train.amp": (cfg.train.amp, AMP_MODES),
+        "train.eval_tta": (cfg.train.eval_tta, TTA_MODES),
     }
     for key, (value, valid) in choices.items():
         if value not in valid:
@@ -180,7 +186,7 @@ def _validate(cfg: Config) -> None:
         ("model.num_reg_tokens", m.num_reg_tokens, 0, None, True, True), ("model.drop_rate", m.drop_rate, 0, 1, True, False),
         ("model.drop_path_rate", m.drop_path_rate, 0, 1, True, False),
         ("model.attn_drop_rate", m.attn_drop_rate, 0, 1, True, False), ("model.norm_eps", m.norm_eps, 0, None, False, True),
-        ("model.init_values", m.init_values, 0, None, False, True),
+        ("model.init_values", m.init_values, 0, None, False, True), ("model.content_keep", m.content_keep, 0, 1, False, True),
         ("data.train_size", d.train_size, 1, None, True, True), ("data.test_size", d.test_size, 1, None, True, True),
         ("data.mixup", d.mixup, 0, None, True, True), ("data.cutmix", d.cutmix, 0, None, True, True),
         ("train.epochs", t.epochs, 1, None, True, True), ("train.batch_size", t.batch_size, 1, None, True, True),
@@ -189,6 +195,7 @@ def _validate(cfg: Config) -> None:
         ("train.label_smoothing", t.label_smoothing, 0, 1, True, False), ("train.grad_clip", t.grad_clip, 0, None, True, True),
         ("train.ema_decay", t.ema_decay, 0, 1, True, False), ("train.eval_batch_size", t.eval_batch_size, 1, None, True, True),
         ("train.time_limit_min", t.time_limit_min, 0, None, False, True), ("train.token_keep", t.token_keep, 0, 1, False, True),
+        ("train.budget_min", t.budget_min, 0, None, False, True),
         ("train.max_tokens", t.max_tokens, 1, None, True, True), ("train.dist_timeout_s", t.dist_timeout_s, 0, None, False, True),
     ]
     for key, value, lo, hi, lo_in, hi_in in ranges:
@@ -218,6 +225,9 @@ def _validate(cfg: Config) -> None:
         if t.max_tokens < need:
             raise ConfigError(f"train.max_tokens={t.max_tokens} is smaller than one image: the largest training size {largest}x{largest} "
                               f"has {need} patch tokens; raise train.max_tokens to at least {need} (or train at smaller sizes)")
+        if m.content_keep < 1:
+            raise ConfigError(f"model.content_keep={m.content_keep:g} selects tokens from whole images; packed training (train.max_tokens) "
+                              "brings its own: set model.content_keep=1 or drop train.max_tokens")
         if d.mixup > 0 or d.cutmix > 0:
             raise ConfigError("mixup/cutmix blend images of one size; packed mixed-size training (train.max_tokens) cannot: "
                               "set data.mixup=0 and data.cutmix=0, or drop train.max_tokens")
@@ -300,4 +310,8 @@ def _field_type(parts: List[str]) -> Any:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """Write ``cfg`` as YAML atomically (a run's config.yaml is rewritten when train.budget_min sets the epochs)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    tmp.replace(path)

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["COORD_MODES", "grid_coords", "grid_cells", "cell_coords", "random_keep", "PatchGrid", "TokenGrid", "CoordAugment",
+__all__ = ["COORD_MODES", "grid_coords", "grid_cells", "cell_coords", "random_keep", "content_tokens", "PatchGrid", "TokenGrid", "CoordAugment",
            "to_2tuple", "snap", "patch_units"]
 
 COORD_MODES = ("interpolate", "extrapolate", "normalize")
@@ -85,6 +86,23 @@ def random_keep(rows: int, n: int, keep: float, generator: Optional[torch.Genera
     k = max(1, int(round(keep * n)))
     noise = torch.rand(rows, n, generator=generator, device=generator.device if generator is not None else device)
     return (noise if device is None else noise.to(device)).argsort(1)[:, :k].sort(1).values
+
+
+def content_tokens(images: Tensor, patch_size: int, keep: float) -> Tensor:
+    """Content-aware token dropping: for each image of ``images`` ``(B, C, H, W)``, the ``keep`` fraction of its
+    patches (at least one) that differ most from its background, as indices ``(B, k)`` in token order (row-major).
+
+    The background is the median of the image's border pixels per channel; a patch's content is its mean absolute
+    difference from it. Deterministic, so training and evaluation keep the same patches of the same image (on
+    Fashion-MNIST 31% of the 4x4 patches are exactly background)."""
+    if not 0 < keep <= 1:
+        raise ValueError(f"content_keep must be in (0, 1], got {keep}")
+    with torch.no_grad():
+        border = torch.cat([images[..., 0, :], images[..., -1, :], images[..., 1:-1, 0], images[..., 1:-1, -1]], dim=-1)
+        background = border.float().median(dim=-1).values[..., None, None]  # (B, C, 1, 1)
+        score = F.avg_pool2d((images.float() - background).abs(), patch_size).sum(1).flatten(1)  # (B, N)
+        k = max(1, int(round(keep * score.shape[1])))
+        return score.topk(k, dim=1, sorted=False).indices.sort(1).values
 
 
 def cell_coords(cells: Tensor, sizes: Tensor, ref: Size2, mode: CoordMode = "interpolate", dtype: torch.dtype = torch.float32) -> Tensor:

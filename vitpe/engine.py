@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .data.augment import normalize
+from .data.augment import normalize, tta_views
 
 __all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "Scores", "evaluate", "evaluate_native"]
 
@@ -127,19 +127,25 @@ def evaluate(
     progress: bool = False,  # a bar on a terminal, progress lines in a log
     desc: str = "eval",
     patch_size: Optional[int] = None,
+    tta: str = "none",
 ) -> Dict[str, float]:
     """Top-1, top-5 (when there are more than 5 classes), mean cross-entropy and per-class top-1 over a split.
 
     ``images`` are uint8, already at the size to evaluate; ``patch_size`` runs a vitpe ViT with a resized patch embedding (FlexiViT).
+    ``tta``: average the predicted probabilities over test-time views (:data:`vitpe.data.augment.TTA_MODES`).
     """
     was_training = model.training
     model.eval()
     scores = Scores()
     for s in progress_steps(len(labels), batch_size, desc, progress):
         x = normalize(images[s : s + batch_size].to(device, non_blocking=True), mean, std)
-        with autocast(device, dtype):
-            logits = model(x) if patch_size is None else model(x, patch_size=patch_size)
-        scores.add(logits, labels[s : s + batch_size].to(device))
+        probs = 0.0
+        views = tta_views(x, tta)
+        for view in views:
+            with autocast(device, dtype):
+                logits = model(view) if patch_size is None else model(view, patch_size=patch_size)
+            probs = probs + logits.float().softmax(-1) / len(views)
+        scores.add(logits if len(views) == 1 else probs.clamp_min(1e-12).log(), labels[s : s + batch_size].to(device))
     model.train(was_training)
     return scores.result()
 

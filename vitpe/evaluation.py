@@ -27,6 +27,7 @@ from vitpe.checkpoint import checkpoint_config, model_from_checkpoint
 from vitpe.config import Config, ConfigError
 from vitpe.coords import COORD_MODES, snap
 from vitpe.data import load_dataset
+from vitpe.data.augment import TTA_MODES
 from vitpe.engine import amp_dtype, evaluate, evaluate_native, resolve_device
 from vitpe.errors import run_cli
 from vitpe.pos_embed import set_rope_extrapolation
@@ -79,6 +80,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--native", action="store_true",
                    help="also evaluate every test image at its own aspect ratio with the training size's area, packed "
                         "(NaViT; an image folder keeps each file's aspect ratio, other datasets are square)")
+    p.add_argument("--tta", choices=TTA_MODES, default="none",
+                   help="test-time augmentation: average the predictions over the mirror image (flip), 1-pixel shifts (shift) or both")
     p.add_argument("--batch-size", type=positive_int, default=256)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights even if the run kept an EMA")
@@ -109,11 +112,12 @@ def dataset_of(config: Config, name: Optional[str] = None, data_dir: Optional[st
 
 
 def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], device: torch.device, dtype: Optional[torch.dtype] = None,
-                batch_size: int = 256, desc: str = "") -> Iterator[Dict]:
+                batch_size: int = 256, desc: str = "", tta: str = "none") -> Iterator[Dict]:
     """``model`` on ``ds``'s test split for each ``(coord_mode, route, (h, w))`` of ``plan``: route ``"coords"`` meets
     the size with new coordinates on a new token grid, ``"patch"`` with FlexiViT's resized patch embedding on the
     trained grid, ``"native"`` gives every image its own aspect ratio at the area of ``h x w``, packed. Yields one row
-    per entry (top-1, top-5, loss, per-class top-1, n, seconds) as it finishes."""
+    per entry (top-1, top-5, loss, per-class top-1, n, seconds) as it finishes. ``tta``: test-time augmentation (not
+    for the native route, whose packed rows hold images of different sizes)."""
     ref_h = model.ref_grid[0]
     for mode, route, (h, w) in plan:
         model.coord_mode = mode
@@ -123,9 +127,10 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
         else:
             images, labels = ds.split(False, (h, w))
             res = evaluate(model, images, labels, ds.mean, ds.std, batch_size, device, dtype, progress=True,
-                           desc=f"{desc} @ {h}x{w}", patch_size=h // ref_h if route == "patch" else None)
+                           desc=f"{desc} @ {h}x{w}", patch_size=h // ref_h if route == "patch" else None, tta=tta)
         name = "native" if route == "native" else f"{h}x{w}" if h != w else str(h)
-        yield {"coord_mode": mode, "route": route, "resolution": name, "height": h, "width": w, **res, "seconds": round(time.time() - t0, 2)}
+        yield {"coord_mode": mode, "route": route, "resolution": name, "height": h, "width": w, "tta": "none" if route == "native" else tta,
+               **res, "seconds": round(time.time() - t0, 2)}
 
 
 def plot(rows: List[Dict], path: Path, title: str) -> None:
@@ -181,11 +186,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         if key not in datasets:
             datasets[key] = load_dataset(*key)
         ds, name = datasets[key], key[0]
+        if args.native and model.content_keep < 1:
+            raise ConfigError(f"{ckpt} keeps each image's {model.content_keep:g} most contentful patches, which --native's packed "
+                              "batches cannot select; evaluate it without --native")
+        if args.tta in ("flip", "flip_shift") and not ds.flip_ok:
+            raise ConfigError(f"{name}'s labels change under a mirror image, so --tta {args.tta} would mix classes; use --tta shift")
         if ds.num_classes != model.num_classes or ds.in_chans != model.in_chans:
             raise ConfigError(f"{ckpt} was trained for {model.num_classes} classes / {model.in_chans} channels, but {name} has "
                               f"{ds.num_classes} / {ds.in_chans}; evaluate it on its own dataset ({cfg.data.name})")
         modes = {"checkpoint": [cfg.model.coord_mode], "both": ["interpolate", "extrapolate"], "all": list(COORD_MODES)}.get(args.coord_mode, [args.coord_mode])
         controls = " (raw weights)" if args.no_ema and state.get("ema") is not None else ""
+        controls += f" [tta {args.tta}]" if args.tta != "none" else ""
         if args.rope_scaling is not None or args.p_rope is not None:
             try:
                 set_rope_extrapolation(model, args.rope_scaling, args.p_rope)
@@ -200,7 +211,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if any(r["label"] == label and r["run"] != str(ckpt) for r in rows):
                 label = f"{label} [{Path(ckpt).name}]"
             plan = [(mode, route, hw) for hw in resolutions] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
-            for row in evaluate_at(model, ds, plan, device, dtype, args.batch_size, label):
+            for row in evaluate_at(model, ds, plan, device, dtype, args.batch_size, label, args.tta):
                 rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": name,
                              "rope_scaling": args.rope_scaling, "p_rope": args.p_rope, "chance": 1 / ds.num_classes,
                              "weights": "ema" if state.get("ema") is not None and not args.no_ema else "raw",

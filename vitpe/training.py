@@ -66,7 +66,11 @@ def resolve_config(args: argparse.Namespace) -> Config:
     shortcuts = [("data.name", args.data), ("data.data_dir", args.data_dir), ("model.pos_embed", args.pe),
                  ("train.epochs", args.epochs), ("name", args.name), ("out_dir", args.out_dir)]
     overrides = [f"{k}={v}" for k, v in shortcuts if v is not None] + args.overrides
-    return apply_overrides(cfg, overrides)
+    cfg = apply_overrides(cfg, overrides)
+    if cfg.train.budget_min is not None and any(o.split("=", 1)[0].strip() == "train.epochs" for o in overrides):
+        raise ConfigError(f"train.epochs was given but train.budget_min={cfg.train.budget_min:g} decides the epochs; drop one "
+                          "(--set train.budget_min=null trains for a fixed number of epochs)")
+    return cfg
 
 
 def run_name(cfg: Config) -> str:
@@ -181,14 +185,15 @@ def _quiet(logger: str):
         log.setLevel(level)
 
 
-def undertrained_hint(rows: List[Dict[str, Any]], num_classes: int, epochs: int) -> Optional[str]:
+def undertrained_hint(rows: List[Dict[str, Any]], num_classes: int, epochs: int, budget_min: Optional[float] = None) -> Optional[str]:
     """A line when a finished run's metrics say it stopped too early: still climbing, or near chance."""
     if not rows:
         return None
     last, chance = rows[-1]["test_top1"], 1 / num_classes
     if len(rows) >= 2 and last - rows[-2]["test_top1"] > 0.01:
+        more = f"--set train.budget_min={2 * budget_min:g}" if budget_min else f"--epochs {2 * epochs}"
         return (f"test top-1 still rose {100 * (last - rows[-2]['test_top1']):.1f} points in the last epoch: this run is probably "
-                f"undertrained; a new run with more epochs (e.g. --epochs {2 * epochs}) should do better")
+                f"undertrained; a new run with more epochs (e.g. {more}) should do better")
     if last < 1.5 * chance:
         return f"test top-1 {100 * last:.1f}% is near chance ({100 * chance:.1f}%): the model has not learned yet; train longer or raise train.lr"
     return None
@@ -222,6 +227,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     packed = cfg.train.max_tokens is not None  # mixed sizes: each batch renders or resizes its own images (Job.batch)
     train_at = {} if packed else {s: ds.split(True, (s, s))[0] if ds.renders_natively else train_x for s in sizes}
     augment = BatchAugment(cfg.data.augment, flip=ds.flip_ok)
+    if cfg.data.augment == "flip" and not ds.flip_ok:
+        raise ConfigError(f"{cfg.data.name}'s labels change under a mirror image, so data.augment=flip would do nothing; use "
+                          "data.augment=none or crop")
+    if cfg.train.eval_tta in ("flip", "flip_shift") and not ds.flip_ok:
+        raise ConfigError(f"{cfg.data.name}'s labels change under a mirror image, so train.eval_tta={cfg.train.eval_tta} would mix "
+                          "classes; use train.eval_tta=shift")
     steps_per_epoch = len(train_y) // cfg.train.batch_size
     if steps_per_epoch == 0:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the {len(train_y)} training images")
@@ -239,7 +250,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     model = VisionTransformer(**model_args).to(device)
     optimizer = create_optimizer_v2(model, "adamw", lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     warmup = round(cfg.train.warmup_epochs * steps_per_epoch)
-    for line in schedule_warnings(cfg, steps_per_epoch):
+    budget = state.get("budget") if state is not None else None
+    for line in schedule_warnings(cfg, steps_per_epoch) if not cfg.train.budget_min or budget else []:  # else: once the budget sets the epochs
         log(f"warning: {line}")
     with _quiet("timm.scheduler.cosine_lr"):  # its "no effect" notice, said above in vitpe's words
         scheduler = CosineLRScheduler(optimizer, t_initial=max(total_steps - warmup, 1), lr_min=cfg.train.min_lr, warmup_t=warmup,
@@ -294,13 +306,32 @@ def main(argv: Optional[List[str]] = None) -> int:
             cfg=cfg, run=run, rank=rank, world=world, device=device, dtype=dtype, log=log, ds=ds, train_at=train_at,
             train_y=train_y, test_x=test_x, test_y=test_y, sizes=sizes, augment=augment, model=model, model_args=model_args,
             optimizer=optimizer, scheduler=scheduler, scaler=scaler, ema=ema, mixup=mixup, criterion=criterion,
-            steps_per_epoch=steps_per_epoch, epoch=epoch, step=step, rows=rows, partial=partial, last_saved=last_saved,
+            steps_per_epoch=steps_per_epoch, epoch=epoch, step=step, rows=rows, partial=partial, last_saved=last_saved, budget=budget,
         ))
     finally:
         if lock is not None:
             lock.__exit__()
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class RateProbe:
+    """Training images per second over a window of steps fixed by count (the same steps on every process), after
+    ``skip`` warm-up steps (allocation, compilation). ``tick`` after each step returns the rate when the window closes."""
+
+    def __init__(self, batch_size: int, steps_left: int, skip: int = 5, window: int = 40) -> None:
+        self.batch_size = batch_size
+        self.skip = min(skip, steps_left // 4)
+        self.end = min(self.skip + window, steps_left)
+        self.done, self.t0 = 0, time.perf_counter()
+
+    def tick(self) -> Optional[float]:
+        self.done += 1
+        if self.done == self.skip:
+            self.t0 = time.perf_counter()
+        if self.done != self.end:
+            return None
+        return (self.end - self.skip) * self.batch_size / (time.perf_counter() - self.t0)
 
 
 @dataclass
@@ -351,6 +382,31 @@ class Job:
     rows: List[dict]
     partial: Dict[str, float]
     last_saved: Optional[Tuple[int, int]]
+    budget: Optional[Dict[str, float]] = None  # train.budget_min's decision: the measured rate and the epochs it allows
+
+    def fit_budget(self, rate: float) -> None:
+        """Set train.epochs to the most whole epochs whose steps fit in train.budget_min at ``rate`` images/s (one
+        number for every process: rank 0's), stretch the cosine to it, and record the decision in config.yaml."""
+        cfg = self.cfg
+        if self.world > 1:
+            shared = torch.tensor([rate], dtype=torch.float64, device=self.device)
+            dist.broadcast(shared, src=0)
+            rate = shared.item()
+        epoch_images = self.steps_per_epoch * cfg.train.batch_size
+        epochs = max(1, int(60 * cfg.train.budget_min * rate // epoch_images))
+        cfg.train.epochs = epochs
+        warmup = self.scheduler.warmup_t
+        self.scheduler.t_initial = max(epochs * self.steps_per_epoch - warmup, 1)  # timm reads it at every step
+        self.budget = {"images_per_s": rate, "epochs": epochs}
+        if self.rank == 0:
+            save_config(cfg, self.run / "config.yaml")
+        self.log(f"train.budget_min={cfg.train.budget_min:g}: {rate:.0f} img/s measured over this run's first steps, so "
+                 f"{epochs} epochs ({epochs * epoch_images / rate / 60:.1f} min of steps; evaluation after each epoch adds to it)")
+        if epochs * epoch_images / rate < 30 * cfg.train.budget_min:
+            self.log("warning: fewer than half the budget's minutes go to steps (one epoch takes longer than the rest); "
+                     "use a subset (data.train_size) or a smaller model")
+        for line in schedule_warnings(cfg, self.steps_per_epoch):
+            self.log(f"warning: {line}")
 
     def kept(self) -> str:
         """What is on disk to continue from, truthfully."""
@@ -372,7 +428,7 @@ class Job:
                 "config": self.cfg.to_dict(), "model_args": self.model_args, "data": self.ds.describe(), "model": model.state_dict(),
                 "ema": ema.module.state_dict() if ema is not None else None, "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "epoch": self.epoch, "step": self.step,
-                "metrics": self.rows, "partial_epoch": partial,
+                "metrics": self.rows, "partial_epoch": partial, "budget": self.budget,
             }, self.run / CHECKPOINT_NAME)
         self.last_saved = (self.epoch, self.step)
 
@@ -429,9 +485,14 @@ class Job:
             if not math.isfinite(test["loss"]):
                 raise TrainingError(f"test loss became {test['loss']} after epoch {self.epoch + 1}; {self.kept()}. Lower train.lr")
             seen = max(tally.seen, 1)
+            tta = cfg.train.eval_tta
+            if tta != "none" and self.epoch + 1 == cfg.train.epochs:  # the last epoch's: per epoch it would cost a view each
+                test["top1_tta"] = evaluate(self.ema.module if self.ema is not None else self.model, self.test_x, self.test_y, self.ds.mean,
+                                            self.ds.std, cfg.train.eval_batch_size, self.device, self.dtype, tta=tta)["top1"]
             self.rows.append({
                 "epoch": self.epoch + 1, "train_loss": loss_sum.item() / seen, "train_acc": tally.correct / seen,
                 "test_loss": test["loss"], "test_top1": test["top1"], **({"test_top5": test["top5"]} if "top5" in test else {}),
+                **({f"test_top1_tta_{tta}": test["top1_tta"]} if "top1_tta" in test else {}),
                 "test_per_class_top1": [round(a, 4) for a in test["per_class_top1"]], "lr": self.optimizer.param_groups[0]["lr"],
                 "images_per_s": tally.seen * self.world / elapsed, "data_time_frac": tally.data_s / elapsed, "epoch_s": elapsed,
                 "wall_s": time.time() - started,
@@ -466,7 +527,9 @@ def train_loop(job: Job) -> int:
     n_params = sum(p.numel() for p in job.model.parameters())
     log(f"run {run}: {cfg.data.name} ({len(job.train_y)} train / {len(job.test_x)} test, {job.ds.num_classes} classes), "
         f"ViT {n_params / 1e6:.2f}M params, pe={cfg.model.pos_embed}, {job.device}{f' x{world}' if distributed else ''}, "
-        f"amp={job.dtype}, {cfg.train.epochs} epochs x {job.steps_per_epoch} steps"
+        f"amp={job.dtype}, "
+        + (f"epochs to fit train.budget_min={cfg.train.budget_min:g} (measured in the first steps)" if cfg.train.budget_min and job.budget is None
+           else f"{cfg.train.epochs} epochs") + f" x {job.steps_per_epoch} steps"
         + (f", resolutions {job.sizes}" if len(job.sizes) > 1 else "")
         + (f", mixed sizes packed into rows of {cfg.train.max_tokens} tokens" if cfg.train.max_tokens else "")
         + (f", keeping {cfg.train.token_keep:g} of each image's tokens" if cfg.train.token_keep < 1 else ""))
@@ -485,6 +548,7 @@ def train_loop(job: Job) -> int:
                 tty = sys.stderr.isatty()
                 bar = tqdm(total=job.steps_per_epoch, initial=job.step, desc=desc, disable=job.rank != 0 or not tty, dynamic_ncols=True)
                 first = job.step  # a resumed epoch: its progress lines count this session's steps
+                probe = RateProbe(cfg.train.batch_size, job.steps_per_epoch - first) if cfg.train.budget_min and job.budget is None else None
                 beat = Heartbeat(f"{desc} step", job.steps_per_epoch - first, every=60.0, log=log, enabled=job.rank == 0 and not tty)
                 while job.step < job.steps_per_epoch:
                     if progress is not None:
@@ -503,6 +567,11 @@ def train_loop(job: Job) -> int:
                     loss_sum += loss.detach().double() * len(y)
                     tally.correct += (logits.argmax(1) == y).sum().item()
                     tally.seen += len(y)
+                    rate = probe.tick() if probe is not None else None
+                    if rate is not None:
+                        job.fit_budget(rate)
+                        bar.set_description(f"epoch {job.epoch + 1}/{cfg.train.epochs}")
+                        probe = None
                     if job.step % 10 == 0 or job.step == job.steps_per_epoch:  # a sync every 10 steps, not every step
                         avg = loss_sum.item() / tally.seen
                         if not math.isfinite(avg):
@@ -531,11 +600,13 @@ def train_loop(job: Job) -> int:
             raise
 
     if job.rows:
+        tta = f"test_top1_tta_{cfg.train.eval_tta}"
         log(f"done in {time.time() - started:.0f}s: test top-1 {job.rows[-1]['test_top1']:.4f}"
-            f"{' (EMA weights; eval.py --no-ema for the raw ones)' if job.ema is not None else ''}\n"
+            + (f" ({job.rows[-1][tta]:.4f} with test-time augmentation {cfg.train.eval_tta})" if tta in job.rows[-1] else "")
+            + f"{' (EMA weights; eval.py --no-ema for the raw ones)' if job.ema is not None else ''}\n"
             f"  run:        {run}\n  checkpoint: {run / CHECKPOINT_NAME}\n  metrics:    {run / 'metrics.csv'} (and metrics.jsonl)\n"
             f"  evaluate at other resolutions: python eval.py {run}")
-        hint = undertrained_hint(job.rows, job.ds.num_classes, cfg.train.epochs)
+        hint = undertrained_hint(job.rows, job.ds.num_classes, cfg.train.epochs, cfg.train.budget_min)
         if hint:
             log(f"note: {hint}")
     return 0

@@ -15,7 +15,7 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.nn.init import trunc_normal_
 
-from .coords import COORD_MODES, CoordAugment, PatchGrid, TokenGrid, snap, to_2tuple
+from .coords import COORD_MODES, CoordAugment, PatchGrid, TokenGrid, content_tokens, snap, to_2tuple
 from .packing import Packed
 from .patch import resize_patch_embed
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
@@ -216,7 +216,9 @@ class VisionTransformer(nn.Module):
     '+'-combination (``vitpe.list_pos_embeds()``), ``pos_embed_kwargs`` its options. ``coord_aug``
     (``{"shift": .., "rescale": .., "jitter": ..}``, see :class:`CoordAugment`) perturbs the coordinates
     in training mode only. ``forward(x, patch_size=p)`` runs with a FlexiViT-resized patch embedding.
-    ``init_values`` adds LayerScale to every block (DeiT-III, RoPE-ViT). ``forward_intermediates`` and
+    ``init_values`` adds LayerScale to every block (DeiT-III, RoPE-ViT). ``content_keep=r`` keeps, in training and
+    evaluation alike, the fraction ``r`` of each image's patch tokens that differ most from its background
+    (:func:`vitpe.coords.content_tokens`): the flat background of an image costs no compute. ``forward_intermediates`` and
     ``feature_info`` follow timm's feature-extraction interface (``timm.create_model("vitpe_...", features_only=True)``).
     """
 
@@ -243,6 +245,7 @@ class VisionTransformer(nn.Module):
         drop_path_rate: float = 0.0,
         norm_eps: float = 1e-6,
         init_values: Optional[float] = None,
+        content_keep: float = 1.0,
     ) -> None:
         super().__init__()
         self.img_size = to_2tuple(img_size, "img_size")
@@ -252,12 +255,15 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"img_size {self.img_size} is not divisible by patch_size {patch_size}")
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
+        if not 0 < content_keep <= 1:
+            raise ValueError(f"content_keep must be in (0, 1], got {content_keep}")
         if pool == "cls" and not class_token:
             raise ValueError("pool='cls' needs class_token=True; use pool='mean' without a class token")
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
         self.patch_size, self.in_chans, self.num_classes = patch_size, in_chans, num_classes
         self.embed_dim, self.depth, self.num_heads, self.pool = embed_dim, depth, num_heads, pool
+        self.content_keep = content_keep
         self.ref_grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
         self.coord_mode = coord_mode
         try:
@@ -360,6 +366,9 @@ class VisionTransformer(nn.Module):
         image and, with cells, selects which patches become tokens. ``token_keep=r`` keeps a random fraction ``r`` of
         each image's patch tokens (FLIP; a different subset per image). ``coord_aug`` applies in training mode."""
         if isinstance(x, Packed):
+            if self.content_keep < 1:
+                raise ValueError(f"this model keeps the {self.content_keep:g} of each image's patches with the most content; a packed "
+                                 "batch brings its own tokens: call it with image batches (eval.py without --native)")
             if grid is not None or token_keep is not None or patch_size not in (None, self.patch_size) or x.patch_size != self.patch_size:
                 raise ValueError(f"a packed batch brings its own grid and tokens at patch_size {x.patch_size}: call the model with it "
                                  f"alone (model patch_size {self.patch_size}); drop tokens with pack_images(..., token_keep=r)")
@@ -381,6 +390,8 @@ class VisionTransformer(nn.Module):
                 self._check_grid(grid, b, grid_hw)
             if made and self.training and self.coord_aug.active:
                 grid = self.coord_aug(grid, b)
+            if self.content_keep < 1 and not grid.batched:  # in training and evaluation alike; a per-image grid selects its own
+                grid = TokenGrid.from_grid(grid, b).take(content_tokens(x, patch_size or self.patch_size, self.content_keep))
             if token_keep is not None and token_keep < 1:
                 grid = (grid if grid.batched else TokenGrid.from_grid(grid, b)).keep_random(token_keep)
             tokens = rearrange(self.patchify(x, patch_size), "b d h w -> b (h w) d")  # (B, N, D)
@@ -446,8 +457,8 @@ class VisionTransformer(nn.Module):
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take = take_indices(len(self.blocks), indices)
-        if output_fmt == "NCHW" and (isinstance(x, Packed) or (grid is not None and grid.batched)):
-            raise ValueError("per-image or packed tokens do not form one (H, W) map: use output_fmt='NLC'")
+        if output_fmt == "NCHW" and (isinstance(x, Packed) or (grid is not None and grid.batched) or self.content_keep < 1):
+            raise ValueError("per-image, content-selected or packed tokens do not form one (H, W) map: use output_fmt='NLC'")
         hw = self.grid_size(x.shape[-2:], patch_size) if isinstance(x, Tensor) and x.dim() == 4 else None
         x, pos = self.embed(x, grid, patch_size)
         p = self.num_prefix_tokens

@@ -12,9 +12,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["AUGMENTS", "BatchAugment", "normalize"]
+__all__ = ["AUGMENTS", "TTA_MODES", "BatchAugment", "normalize", "tta_views"]
 
-AUGMENTS = ("none", "crop", "crop_flip", "trivial", "randaugment")
+AUGMENTS = ("none", "flip", "crop", "crop_flip", "trivial", "randaugment")
+
+
+# Test-time augmentation: the views whose predictions are averaged. "shift" moves the image one pixel up, down, left
+# and right (reflect padding, as the training crop pads), the small translations airbench averages over.
+TTA_MODES = ("none", "flip", "shift", "flip_shift")
+
+
+def tta_views(x: Tensor, mode: str) -> Sequence[Tensor]:
+    """The images ``x`` ``(B, C, H, W)`` and their test-time views for ``mode`` (one of :data:`TTA_MODES`)."""
+    if mode not in TTA_MODES:
+        raise ValueError(f"unknown test-time augmentation {mode!r}; choose one of {', '.join(TTA_MODES)}")
+    views = [x]
+    if mode in ("flip", "flip_shift"):
+        views.append(x.flip(-1))
+    if mode in ("shift", "flip_shift"):
+        h, w = x.shape[-2:]
+        padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+        views += [padded[..., 1 + dy : 1 + dy + h, 1 + dx : 1 + dx + w] for dy, dx in ((-1, 0), (1, 0), (0, -1), (0, 1))]
+    return views
 
 
 def normalize(x: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
@@ -44,7 +63,7 @@ def random_hflip(x: Tensor, p: float = 0.5) -> Tensor:
 
 
 class BatchAugment:
-    """``kind``: none | crop | crop_flip | trivial | randaugment (the last two add crop_flip).
+    """``kind``: none | flip | crop | crop_flip | trivial | randaugment (the last two add crop_flip).
 
     TrivialAugment (Mueller & Hutter 2021) and RandAugment (Cubuk et al. 2020) come from torchvision;
     they draw one operation per call, so the batch is split into ``groups`` that each draw their own.
@@ -62,7 +81,8 @@ class BatchAugment:
     def __call__(self, x: Tensor) -> Tensor:
         if self.kind == "none":
             return x
-        x = random_translate(x, round(self.pad_fraction * min(x.shape[-2:])))
+        if self.kind != "flip":  # the mirror alone: the lightest augmentation, for short schedules that underfit
+            x = random_translate(x, round(self.pad_fraction * min(x.shape[-2:])))
         if self.flip and self.kind != "crop":
             x = random_hflip(x)
         if self.policy is not None:
