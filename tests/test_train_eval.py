@@ -194,6 +194,44 @@ def test_eval_table_json_csv_and_plot(tiny_run, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "16x24" in printed and "sincos2d (interpolate)" in printed
     assert "sincos2d (extrapolate) @ 16x24: top-1" in printed  # not a terminal: a line per result as it comes
+    # Beside accuracy: tokens, speed and each layer's attention (the default 64 test images) at every size.
+    assert [r["tokens_per_image"] for r in rows[:4]] == [4, 16, 64, 24] and all(r["images_per_s"] > 0 for r in rows)
+    for r in rows:
+        assert len(r["attn_distance"]) == len(r["attn_entropy_norm"]) == 2  # tiny: 2 blocks
+        assert all(0 < e <= 1 + 1e-4 for e in r["attn_entropy_norm"]) and all(d > 0 for d in r["attn_distance"])
+    png = (out / "attention_vs_resolution.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["label"] for s in summary] == ["sincos2d (interpolate)", "sincos2d (extrapolate)"]
+    for s in summary:
+        mine = {r["resolution"]: r["top1"] for r in rows if r["label"] == s["label"]}
+        assert s["best_top1"] == max(mine[k] for k in ("8", "16", "32")) == mine[s["best_resolution"]]  # squares only
+        assert s["top1_at_train_size"] == mine["16"] and (s["from_resolution"], s["to_resolution"]) == ("8", "32")
+    assert "best" in printed and "mean top-1 over the log scale 8-32" in printed and "entropy/log(keys)" in printed
+    assert len(list(csv.DictReader(open(out / "summary.csv")))) == 2
+
+
+def test_sweep_summary_peak_and_area_over_the_log_scale():
+    row = lambda size, top1: {"label": "a", "run": "r", "data": "d", "route": "coords", "train_size": 16, "height": size,  # noqa: E731
+                              "width": size, "resolution": str(size), "top1": top1}
+    rows = [row(8, 0.2), row(16, 0.8), row(32, 0.4), {**row(16, 0.9), "width": 32, "resolution": "16x32"}]
+    (s,) = eval_script.sweep_summary(rows)
+    # log2 scales -1, 0, 1: trapezoids (0.2 + 0.8) / 2 + (0.8 + 0.4) / 2 over a span of 2; the non-square size is not a peak
+    assert s["auc_log_scale"] == pytest.approx(0.55) and (s["best_resolution"], s["best_top1"]) == ("16", 0.8)
+    assert eval_script.sweep_summary([row(16, 0.7)])[0]["auc_log_scale"] == 0.7
+    assert eval_script.default_resolutions(28, 4) == [(16, 16), (20, 20), (28, 28), (40, 40), (56, 56), (20, 40), (40, 20)]
+
+
+def test_eval_default_sizes_include_aspect_ratios_and_diagnostics_can_be_off(tiny_run, tmp_path):
+    assert eval_script.main([str(tiny_run), "--diagnostics", "0", "--test-size", "16", "--out", str(tmp_path / "e")]) == 0
+    rows = json.loads((tmp_path / "e" / "results.json").read_text())
+    assert [r["resolution"] for r in rows] == ["8", "12", "16", "24", "32", "12x24", "24x12"]
+    assert not any("attn_distance" in r for r in rows) and not (tmp_path / "e" / "attention_vs_resolution.png").exists()
+    # The patch route takes the default sizes that keep the trained 4x4 grid, and refuses a given one that does not.
+    assert eval_script.main([str(tiny_run), "--route", "patch", "--diagnostics", "0", "--test-size", "16", "--out", str(tmp_path / "p")]) == 0
+    assert [r["resolution"] for r in json.loads((tmp_path / "p" / "results.json").read_text())] == ["8", "12", "16", "24", "32"]
+    with pytest.raises(SystemExit):
+        eval_script.main([str(tiny_run), "--diagnostics", "-1"])
 
 
 def test_eval_top1_matches_training_metrics_at_the_training_resolution(tiny_run, tmp_path):
@@ -297,7 +335,7 @@ def test_eval_at_native_aspect_ratio(tiny_run, tmp_path, capsys):
     rows = json.loads((tmp_path / "e" / "results.json").read_text())
     native = [r for r in rows if r["resolution"] == "native"]
     fixed = [r for r in rows if r["resolution"] == "16"]
-    assert len(native) == 1 and native[0]["tokens_per_image"] == 16
+    assert len(native) == 1 and native[0]["tokens_per_image"] == 16 == fixed[0]["tokens_per_image"]
     # shapes is square: its native aspect ratio at the training area is the training size, packed or not
     assert abs(native[0]["top1"] - fixed[0]["top1"]) <= 1.5 / fixed[0]["n"]
     assert "native" in capsys.readouterr().out
@@ -322,6 +360,13 @@ def test_new_families_train_and_evaluate_with_rope_extrapolation(tmp_path, pe, c
     assert all(0 <= r["top1"] <= 1 for r in rows)
 
 
+class EveryStep(train_script.Heartbeat):
+    """A log line at every tick (the real one waits a minute)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "every": 0.0})
+
+
 class FixedRate(train_script.RateProbe):
     """The probe's window as in a real run, with a known rate at its end."""
 
@@ -329,10 +374,13 @@ class FixedRate(train_script.RateProbe):
         return None if super().tick() is None else 128.0
 
 
-def test_a_time_budget_sets_the_epochs_from_the_measured_rate_and_resumes_with_them(tiny_run, tmp_path, monkeypatch):
+def test_a_time_budget_sets_the_epochs_from_the_measured_rate_and_resumes_with_them(tiny_run, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(train_script, "RateProbe", FixedRate)
+    monkeypatch.setattr(train_script, "Heartbeat", EveryStep)
     # tiny: 8 steps x 32 images per epoch; 0.1 min at 128 img/s is 768 images, 3 epochs
     assert train(tmp_path, "b", "--set", "train.budget_min=0.1") == 0
+    lines = capsys.readouterr().out
+    assert "epoch 1/3 step: 8/8" in lines and "epoch 1/2 step" not in lines  # the log's label follows the decision
     rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [1, 2, 3]
     assert rows[-1]["lr"] == pytest.approx(1e-5)  # the cosine was stretched to end with the budget's last step

@@ -1,5 +1,6 @@
 """vitpe.viz: the drawn numbers are right, and the command writes the pictures."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 import vitpe
 from vitpe import training as train_script
 from vitpe import viz
+from vitpe.coords import content_tokens
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 
@@ -77,6 +79,48 @@ def test_attention_distance_of_uniform_attention_is_the_mean_pairwise_distance()
     expected = torch.cdist(pts, pts).mean()
     assert d.shape == (2, 2)
     torch.testing.assert_close(d, torch.full((2, 2), expected.item()))
+
+
+def uniform_attention(m):
+    with torch.no_grad():
+        for b in m.blocks:
+            b.attn.qkv.weight.zero_()
+            b.attn.qkv.bias.zero_()
+    return m
+
+
+def test_attention_entropy_of_uniform_attention_is_log_keys_and_distance_uses_each_images_kept_patches():
+    m = uniform_attention(vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3,
+                                                  pos_embed="none", content_keep=0.5))
+    images = torch.zeros(3, 3, 16, 16)
+    images[0, :, :8, :8] = 1  # content in one corner: its 4 patches and 4 of the background are kept
+    images[1, :, 8:, :] = 1  # the lower half: exactly its 8 patches
+    images[2] = torch.randn(3, 16, 16)
+    stats = viz.attention_stats(m, images, chunk=2)  # chunks of 2 and 1 images: weighted like one batch
+    keys = 8 + 1  # 50% of 16 patches, and the class token
+    torch.testing.assert_close(stats["entropy"], torch.full((2, 2), math.log(keys)))
+    torch.testing.assert_close(stats["entropy_norm"], torch.ones(2, 2))
+    kept = content_tokens(images, 4, 0.5)  # (3, 8) token indices per image, row-major on the 4x4 grid
+    pts = torch.stack([kept % 4, kept // 4], -1).float() * 4
+    expected = torch.cdist(pts, pts).mean()  # uniform over each image's own kept patches
+    torch.testing.assert_close(stats["distance"], torch.full((2, 2), expected.item()))
+    assert sorted((kept[1] // 4).tolist()) == [2, 2, 2, 2, 3, 3, 3, 3]  # the lower half is kept: the images differ
+    assert not torch.isclose(torch.cdist(pts[1], pts[1]).mean(), torch.cdist(pts[0], pts[0]).mean())
+    with pytest.raises(ValueError, match=r"takes an image batch \(B, C, H, W\)"):
+        viz.attention_stats(m, images[0])
+
+
+def test_attention_stats_of_a_trained_pattern_at_two_sizes_and_the_patch_route():
+    torch.manual_seed(0)
+    m = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3, pos_embed="rope_axial")
+    x = torch.randn(4, 3, 32, 32)
+    one = viz.attention_stats(m, x)
+    assert all(v.shape == (2, 2) and torch.isfinite(v).all() for v in one.values())
+    assert ((one["entropy_norm"] > 0) & (one["entropy_norm"] <= 1 + 1e-5)).all()
+    torch.testing.assert_close(viz.attention_stats(m, x, chunk=3)["entropy"], one["entropy"])
+    # FlexiViT's route: the 32 px images cut into 8 px patches make the trained 4x4 grid, distances in input pixels.
+    patch = viz.attention_stats(m, x, patch_size=8)
+    assert torch.isfinite(patch["distance"]).all() and (patch["distance"] <= 24 * 2**0.5).all()
 
 
 def test_viz_command_writes_pictures_and_numbers(tmp_path):

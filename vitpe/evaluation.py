@@ -1,6 +1,6 @@
-"""Evaluate trained checkpoints at several resolutions: a table, JSON, CSV and a plot.
+"""Evaluate trained checkpoints at several resolutions: tables, JSON, CSV and plots.
 
-    python eval.py runs/shapes-sincos2d-...                            # 0.5x .. 2x the training size
+    python eval.py runs/shapes-sincos2d-...                            # 0.5x .. 2x the training size, 1:2 and 2:1
     python eval.py runs/A runs/B --resolutions 16 32 48 64 128         # compare runs on one table and plot
     python eval.py runs/A --resolutions 32x48 --coord-mode both       # non-square; both coordinate modes
     python eval.py runs/A --resolutions 32 64 128 --route both         # new grid, or FlexiViT's resized patches
@@ -8,13 +8,16 @@
     python eval.py runs/A --coord-mode extrapolate --rope-scaling yarn # RoPE extrapolation: pi, ntk or yarn
 
 The model is rebuilt from the checkpoint alone. ``shapes`` is rendered natively at each resolution;
-other data is resized (antialiased). Results go to RUN/eval-TIMESTAMP/ (or --out): results.json,
-results.csv and accuracy_vs_resolution.png.
+other data is resized (antialiased). Results go to RUN/eval-TIMESTAMP/ (or --out): results.json and
+results.csv (a row per size: top-1, tokens, images/s, each layer's attention distance and entropy),
+summary.json and summary.csv (per run and mode: the best size and the mean top-1 over the log scale),
+accuracy_vs_resolution.png and attention_vs_resolution.png.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import time
@@ -27,14 +30,16 @@ from vitpe.checkpoint import checkpoint_config, model_from_checkpoint
 from vitpe.config import Config, ConfigError
 from vitpe.coords import COORD_MODES, snap
 from vitpe.data import load_dataset
-from vitpe.data.augment import TTA_MODES
-from vitpe.engine import amp_dtype, evaluate, evaluate_native, resolve_device
+from vitpe.data.augment import TTA_MODES, normalize
+from vitpe.engine import amp_dtype, autocast, evaluate, evaluate_native, resolve_device
 from vitpe.errors import run_cli
 from vitpe.pos_embed import set_rope_extrapolation
 from vitpe.pos_embed.functional import ROPE_SCALINGS
 from vitpe.runs import write_csv
 
 DEFAULT_SCALES = (0.5, 0.75, 1.0, 1.5, 2.0)
+DEFAULT_ASPECTS = (0.5, 2.0)  # height / width of the default non-square sizes, at the training size's area
+DIAGNOSTIC_IMAGES = 64
 
 
 def parse_resolution(text: str) -> Tuple[int, int]:
@@ -48,14 +53,23 @@ def parse_resolution(text: str) -> Tuple[int, int]:
     return size
 
 
-def positive_int(text: str) -> int:
+def whole_number(text: str, minimum: int = 1) -> int:
+    """An argparse type: a whole number of at least ``minimum``."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return whole_number(text, 1)
+
+
+def count(text: str) -> int:
+    return whole_number(text, 0)
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -82,6 +96,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         "(NaViT; an image folder keeps each file's aspect ratio, other datasets are square)")
     p.add_argument("--tta", choices=TTA_MODES, default="none",
                    help="test-time augmentation: average the predictions over the mirror image (flip), 1-pixel shifts (shift) or both")
+    p.add_argument("--diagnostics", type=count, default=DIAGNOSTIC_IMAGES, metavar="N",
+                   help=f"attention distance and entropy per layer at each size, on the first N test images (default "
+                        f"{DIAGNOSTIC_IMAGES}; 0: off)")
     p.add_argument("--batch-size", type=positive_int, default=256)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights even if the run kept an EMA")
@@ -91,8 +108,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def default_resolutions(img_size: int, patch: int) -> List[Tuple[int, int]]:
+    """0.5x to 2x the training size (square), then the training area at aspect ratios 1:2 and 2:1."""
     sizes = sorted({snap(s * img_size, patch) for s in DEFAULT_SCALES})
-    return [(s, s) for s in sizes]
+    aspects = [(snap(img_size * a**0.5, patch), snap(img_size / a**0.5, patch)) for a in DEFAULT_ASPECTS]
+    return [(s, s) for s in sizes] + [hw for hw in dict.fromkeys(aspects) if hw[0] != hw[1]]
 
 
 def data_args(config: Config, name: Optional[str] = None, data_dir: Optional[str] = None, test_size: Optional[int] = None,
@@ -112,37 +131,71 @@ def dataset_of(config: Config, name: Optional[str] = None, data_dir: Optional[st
 
 
 def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], device: torch.device, dtype: Optional[torch.dtype] = None,
-                batch_size: int = 256, desc: str = "", tta: str = "none") -> Iterator[Dict]:
+                batch_size: int = 256, desc: str = "", tta: str = "none", diagnostics: int = 0) -> Iterator[Dict]:
     """``model`` on ``ds``'s test split for each ``(coord_mode, route, (h, w))`` of ``plan``: route ``"coords"`` meets
     the size with new coordinates on a new token grid, ``"patch"`` with FlexiViT's resized patch embedding on the
     trained grid, ``"native"`` gives every image its own aspect ratio at the area of ``h x w``, packed. Yields one row
-    per entry (top-1, top-5, loss, per-class top-1, n, seconds) as it finishes. ``tta``: test-time augmentation (not
-    for the native route, whose packed rows hold images of different sizes)."""
+    per entry as it finishes: top-1, top-5, loss, per-class top-1, n, the patch tokens per image the model computed
+    with, images/s of the evaluation itself and seconds in all (with loading and resizing). ``tta``: test-time
+    augmentation (not for the native route, whose packed rows hold images of different sizes). ``diagnostics=N``: also
+    each layer's attention distance (pixels) and entropy (nats, and over log(keys)), mean over heads, on the first N
+    test images (:func:`vitpe.viz.attention_stats`; not for the native route)."""
     ref_h = model.ref_grid[0]
     for mode, route, (h, w) in plan:
         model.coord_mode = mode
         t0 = time.time()
+        extra: Dict = {}
         if route == "native":
             res = evaluate_native(model, ds, h, batch_size, device, dtype, progress=True, desc=f"{desc} @ native")
+            seconds = time.time() - t0
+            res["tokens_per_image"] = round(res["tokens_per_image"], 2)
         else:
             images, labels = ds.split(False, (h, w))
+            patch = h // ref_h if route == "patch" else None
+            t1 = time.time()
             res = evaluate(model, images, labels, ds.mean, ds.std, batch_size, device, dtype, progress=True,
-                           desc=f"{desc} @ {h}x{w}", patch_size=h // ref_h if route == "patch" else None, tta=tta)
+                           desc=f"{desc} @ {h}x{w}", patch_size=patch, tta=tta)
+            seconds = time.time() - t1
+            with torch.no_grad(), autocast(device, dtype):  # the tokens the model computes with (content_keep selects)
+                tokens = model.embed(normalize(images[:1].to(device), ds.mean, ds.std), patch_size=patch)[0]
+            res["tokens_per_image"] = tokens.shape[1] - model.num_prefix_tokens
+            if diagnostics:
+                from vitpe.viz import attention_stats
+
+                with autocast(device, dtype):
+                    stats = attention_stats(model, normalize(images[:diagnostics].to(device), ds.mean, ds.std), patch_size=patch)
+                extra = {f"attn_{k}": [None if math.isnan(v) else round(v, 4) for v in t.nanmean(1).tolist()] for k, t in stats.items()}
         name = "native" if route == "native" else f"{h}x{w}" if h != w else str(h)
-        yield {"coord_mode": mode, "route": route, "resolution": name, "height": h, "width": w, "tta": "none" if route == "native" else tta,
-               **res, "seconds": round(time.time() - t0, 2)}
+        yield {"coord_mode": mode, "route": route, "resolution": name, "height": h, "width": w,
+               "patch_size": h // ref_h if route == "patch" else model.patch_size, "tta": "none" if route == "native" else tta,
+               **res, "images_per_s": round(res["n"] / max(seconds, 1e-9), 1), **extra, "seconds": round(time.time() - t0, 2)}
 
 
-def plot(rows: List[Dict], path: Path, title: str) -> None:
-    from vitpe.viz import finish_plot, pyplot
+def sweep_summary(rows: List[Dict]) -> List[Dict]:
+    """Per label (a run, mode and route): the best square size (the FixRes peak) and the area under top-1 against
+    log2(scale) over the square sizes, divided by that log2 range: the mean top-1 over the sweep with every doubling
+    weighted alike (one size: its top-1). Native rows and non-square sizes are left to the table."""
+    out = []
+    for label in dict.fromkeys(r["label"] for r in rows):
+        square = sorted((r for r in rows if r["label"] == label and r["route"] != "native" and r["height"] == r["width"]),
+                        key=lambda r: r["height"])
+        if not square:
+            continue
+        best = max(square, key=lambda r: r["top1"])
+        own = [r["top1"] for r in square if r["height"] == r["train_size"]]
+        x = [math.log2(r["height"] / r["train_size"]) for r in square]
+        y = [r["top1"] for r in square]
+        span = x[-1] - x[0]
+        area = sum((x[i + 1] - x[i]) * (y[i] + y[i + 1]) / 2 for i in range(len(x) - 1))
+        out.append({"label": label, "run": square[0]["run"], "data": square[0]["data"], "train_size": square[0]["train_size"],
+                    "top1_at_train_size": own[0] if own else None, "best_resolution": best["resolution"], "best_top1": best["top1"],
+                    "auc_log_scale": area / span if span > 0 else y[0], "from_resolution": square[0]["resolution"],
+                    "to_resolution": square[-1]["resolution"]})
+    return out
 
-    rows = [r for r in rows if r["route"] != "native"]  # no one size: the table reports it
-    fig, ax = pyplot().subplots(figsize=(7, 4.5), dpi=120)
-    labels = list(dict.fromkeys(r["label"] for r in rows))
-    colours = pyplot().get_cmap("tab20").colors if len(labels) > 10 else [f"C{i}" for i in range(10)]  # distinct past 10 lines
-    for i, label in enumerate(labels):
-        pts = sorted((r["height"] * r["width"], r["top1"], r["resolution"]) for r in rows if r["label"] == label)
-        ax.plot([p[0] ** 0.5 for p in pts], [100 * p[1] for p in pts], marker="o", label=label, color=colours[i % len(colours)])
+
+def _resolution_axis(ax, rows: List[Dict]) -> None:
+    """The x axis of every sweep plot: resolution on a log scale, ticks at the evaluated sizes, the training sizes dotted."""
     ax.set_xscale("log", base=2)
     ticks = sorted({(r["height"] * r["width"]) ** 0.5 for r in rows})
     ax.set_xticks(ticks, [next(r["resolution"] for r in rows if (r["height"] * r["width"]) ** 0.5 == t) for t in ticks])
@@ -154,6 +207,30 @@ def plot(rows: List[Dict], path: Path, title: str) -> None:
                     fontsize=7, color="grey", va="top", rotation=90)
         lo, hi = min(lo, s), max(hi, s)
     ax.set_xlim(lo / 1.15, hi * 1.15)
+
+
+def _lines(ax, rows: List[Dict], value) -> None:
+    """One line per label: ``value(row)`` against resolution (square and non-square sizes by their area)."""
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    colours = _colours(len(labels))
+    for i, label in enumerate(labels):
+        pts = sorted(((r["height"] * r["width"]) ** 0.5, value(r)) for r in rows if r["label"] == label)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, color=colours[i % len(colours)])
+
+
+def _colours(n: int) -> list:
+    from vitpe.viz import pyplot
+
+    return list(pyplot().get_cmap("tab20").colors) if n > 10 else [f"C{i}" for i in range(10)]  # distinct past 10 lines
+
+
+def plot(rows: List[Dict], path: Path, title: str) -> None:
+    from vitpe.viz import finish_plot, pyplot
+
+    rows = [r for r in rows if r["route"] != "native"]  # no one size: the table reports it
+    fig, ax = pyplot().subplots(figsize=(7, 4.5), dpi=120)
+    _lines(ax, rows, lambda r: 100 * r["top1"])
+    _resolution_axis(ax, rows)
     for chance in sorted({r["chance"] for r in rows if r.get("chance")}):  # rows of older results have none
         ax.axhline(100 * chance, color="grey", lw=0.8, ls="--")
         ax.annotate(f"chance {100 * chance:.3g}%", (0, 100 * chance), xycoords=("axes fraction", "data"), xytext=(3, 2),
@@ -161,6 +238,31 @@ def plot(rows: List[Dict], path: Path, title: str) -> None:
     ax.set_xlabel("input resolution (dotted: training resolution; dashed: chance)")
     ax.set_ylabel("top-1 accuracy (%)")
     finish_plot(fig, ax, title, path)
+
+
+def plot_attention(rows: List[Dict], path: Path, title: str) -> None:
+    """Attention against resolution, mean over layers: distance in patches (the model's coordinate unit: constant
+    where a model attends as it did at its training size) and entropy over log(keys) (1: uniform; a fall far from
+    the training size is the entropy collapse the extrapolation studies report)."""
+    from vitpe.viz import pyplot
+    from vitpe.viz.plots import wrapped
+
+    rows = [r for r in rows if r.get("attn_distance")]
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4.5), dpi=120)
+    mean = lambda xs: sum(x for x in xs if x is not None) / max(1, sum(x is not None for x in xs))  # noqa: E731
+    _lines(left, rows, lambda r: mean(r["attn_distance"]) / r["patch_size"])
+    _lines(right, rows, lambda r: mean(r["attn_entropy_norm"]))
+    for ax, name in ((left, "mean attention distance (patches)"), (right, "attention entropy / log(keys)")):
+        _resolution_axis(ax, rows)
+        ax.set_xlabel("input resolution (dotted: training resolution)")
+        ax.set_ylabel(f"{name}, mean over layers")
+        ax.grid(alpha=0.3)
+    right.set_ylim(0, 1.02)
+    fig.suptitle(wrapped(title, fig))
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    pyplot().close(fig)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -176,11 +278,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         resolutions = args.resolutions or default_resolutions(train_size, patch)
         routes = ["coords", "patch"] if args.route == "both" else [args.route]
         ref_h, ref_w = model.ref_grid
+        patch_fits = lambda h, w: h % ref_h == 0 and w % ref_w == 0 and h // ref_h == w // ref_w  # noqa: E731
         for h, w in resolutions:
             if "coords" in routes and (h % patch or w % patch):
                 raise ConfigError(f"resolution {h}x{w} is not a multiple of the patch size {patch} of {ckpt}; "
                                   f"use multiples of {patch}, e.g. {snap(h, patch)}")
-            if "patch" in routes and (h % ref_h or w % ref_w or h // ref_h != w // ref_w):
+            if "patch" in routes and args.resolutions and not patch_fits(h, w):  # the default sizes: the route takes those it can
                 raise ConfigError(f"--route patch keeps the {ref_h}x{ref_w} token grid, so resolution {h}x{w} must be k*{ref_h} x k*{ref_w}")
         key = data_args(cfg, args.data, args.data_dir, args.test_size)
         if key not in datasets:
@@ -210,8 +313,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             label += " (patch resize)" if route == "patch" else ""
             if any(r["label"] == label and r["run"] != str(ckpt) for r in rows):
                 label = f"{label} [{Path(ckpt).name}]"
-            plan = [(mode, route, hw) for hw in resolutions] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
-            for row in evaluate_at(model, ds, plan, device, dtype, args.batch_size, label, args.tta):
+            sizes = [hw for hw in resolutions if route == "coords" or patch_fits(*hw)]
+            plan = [(mode, route, hw) for hw in sizes] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
+            for row in evaluate_at(model, ds, plan, device, dtype, args.batch_size, label, args.tta, args.diagnostics):
                 rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": name,
                              "rope_scaling": args.rope_scaling, "p_rope": args.p_rope, "chance": 1 / ds.num_classes,
                              "weights": "ema" if state.get("ema") is not None and not args.no_ema else "raw",
@@ -228,11 +332,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"output {out} exists and is not an empty directory; choose another --out")
     made = not out.exists()
+    summary = sweep_summary(rows)
     out.mkdir(parents=True, exist_ok=True)
     try:
         (out / "results.json").write_text(json.dumps(rows, indent=2))
-        write_csv(rows, out / "results.csv")  # per-class lists stay in the JSON
-        plot(rows, out / "accuracy_vs_resolution.png", f"top-1 against resolution ({', '.join(sorted({r['data'] for r in rows}))})")
+        write_csv(rows, out / "results.csv")  # per-class and per-layer lists stay in the JSON
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_csv(summary, out / "summary.csv")
+        data = ", ".join(sorted({r["data"] for r in rows}))
+        plot(rows, out / "accuracy_vs_resolution.png", f"top-1 against resolution ({data})")
+        if any(r.get("attn_distance") for r in rows):
+            plot_attention(rows, out / "attention_vs_resolution.png", f"attention against resolution ({data}, {args.diagnostics} test images)")
     except BaseException:  # disk full, Ctrl-C: leave no half-written results behind
         shutil.rmtree(out) if made else [p.unlink() for p in out.iterdir()]
         raise
@@ -248,7 +358,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             hit = [r for r in rows if r["label"] == label and r["resolution"] == res]
             cells.append(f"{100 * hit[0]['top1']:>{width}.2f}" if hit else f"{'-':>{width}}")
         print(f"{res:<25}" + "".join(cells))
-    print(f"\nresults: {out / 'results.json'}, {out / 'results.csv'}\nplot:    {out / 'accuracy_vs_resolution.png'}")
+    print()
+    for r in summary:
+        own = f"{100 * r['top1_at_train_size']:.2f}% at its training size {r['train_size']}, " if r["top1_at_train_size"] is not None else ""
+        print(f"{r['label']}: {own}best {100 * r['best_top1']:.2f}% at {r['best_resolution']}, mean top-1 over the log scale "
+              f"{r['from_resolution']}-{r['to_resolution']} {100 * r['auc_log_scale']:.2f}%")
+    fmt = lambda xs: " ".join("-" if x is None else f"{x:.2f}" for x in xs)  # noqa: E731
+    for r in rows:
+        attn = (f"; attention distance (px) by layer {fmt(r['attn_distance'])}, entropy/log(keys) {fmt(r['attn_entropy_norm'])}"
+                if r.get("attn_distance") else "")
+        print(f"{r['label']} @ {r['resolution']}: {r['tokens_per_image']:g} tokens, {r['images_per_s']:.0f} img/s{attn}")
+    pictures = ", ".join(str(out / f) for f in ("accuracy_vs_resolution.png", "attention_vs_resolution.png") if (out / f).exists())
+    print(f"\nresults: {out / 'results.json'}, {out / 'results.csv'}, {out / 'summary.json'}, {out / 'summary.csv'}\nplots:   {pictures}")
     return 0
 
 

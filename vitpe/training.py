@@ -571,7 +571,9 @@ def train_loop(job: Job) -> int:
                     rate = probe.tick() if probe is not None else None
                     if rate is not None:
                         job.fit_budget(rate)
-                        bar.set_description(f"epoch {job.epoch + 1}/{cfg.train.epochs}")
+                        desc = f"epoch {job.epoch + 1}/{cfg.train.epochs}"  # the budget just decided the epoch count
+                        bar.set_description(desc)
+                        beat.desc = f"{desc} step"
                         probe = None
                     if job.step % 10 == 0 or job.step == job.steps_per_epoch:  # a sync every 10 steps, not every step
                         avg = loss_sum.item() / tally.seen

@@ -1,7 +1,8 @@
 """What a positional encoding computes, as numbers: its matrix, similarity maps, and mean attention distance."""
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import math
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -10,7 +11,7 @@ from ..coords import PatchGrid, Size2, grid_cells, to_2tuple
 from ..pos_embed import PosEmbed
 from ..vit import VisionTransformer
 
-__all__ = ["pe_matrix", "pe_similarity", "attention_distance"]
+__all__ = ["pe_matrix", "pe_similarity", "attention_distance", "attention_stats"]
 
 
 def _grid(pe: PosEmbed, grid_size: Size2, mode: str) -> PatchGrid:
@@ -84,27 +85,57 @@ def pe_similarity(pe: PosEmbed, grid_size: Size2, query: Tuple[int, int], mode: 
 
 
 @torch.no_grad()
-def attention_distance(model: VisionTransformer, images: Tensor) -> Tensor:
-    """Mean attention distance per layer and head, in input pixels (Dosovitskiy et al. 2021, Fig. 7):
-    for each patch query, the attention-weighted distance to the patch keys, averaged over queries and
-    images. Attention to prefix tokens is left out and the rest renormalised; a query that puts (numerically) all its
-    attention on prefix tokens has no patch distance and is left out of the mean. Returns ``(depth, heads)``; NaN only
-    where every query of a head attends to prefix tokens alone."""
-    model.eval()
-    x, pos = model.embed(images)
-    p = model.num_prefix_tokens
-    h, w = pos.grid.size
-    centres = grid_cells((h, w)).float() * model.patch_size  # pixels
-    dist = torch.cdist(centres, centres).to(images.device)  # (N, N)
-    out = []
-    inputs = [x, *model.run_blocks(x, pos)][:-1]  # what each block sees
-    for i, (blk, x) in enumerate(zip(model.blocks, inputs)):
-        attn = blk.attn.attention_logits(blk.norm1(x), pos, i).softmax(-1)[:, :, p:, p:]  # (B, H, N, N)
-        mass = attn.sum(-1)  # (B, H, N): attention left on patches
-        has = mass > 1e-6
-        per_query = (attn * dist).sum(-1) / mass.clamp(min=1e-6)  # (B, H, N)
-        count = has.sum(dim=(0, 2))
-        total = torch.where(has, per_query, torch.zeros_like(per_query)).sum(dim=(0, 2))
-        out.append(torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, float("nan"))))
-    return torch.stack(out).cpu()
+def attention_stats(model: VisionTransformer, images: Tensor, patch_size: Optional[int] = None, chunk: int = 32,
+                    max_bytes: int = 2**29) -> Dict[str, Tensor]:
+    """How far and how broadly each layer and head attends, on ``images`` ``(B, C, H, W)`` at their own size.
+    Returns ``(depth, heads)`` tensors (CPU, float32), averaged over patch queries and images:
 
+    - ``distance``: mean attention distance in input pixels (Dosovitskiy et al. 2021, Fig. 7): for each patch query,
+      the attention-weighted distance to the patch keys. Attention to prefix tokens is left out and the rest
+      renormalised; a query that puts (numerically) all its attention on prefix tokens has no patch distance and is
+      left out of the mean (NaN only where every query of a head does so);
+    - ``entropy``: the attention distribution's entropy in nats over every key, prefix tokens included;
+    - ``entropy_norm``: that entropy over ``log(keys)``: 1 is uniform attention, 0 one key. The quantity whose collapse
+      the length-extrapolation studies blame when a model fails far from its training size.
+
+    Tokens are those the model computes with (``content_keep`` selects per image; distances use each token's own
+    patch). ``patch_size`` runs the model with a resized patch embedding (FlexiViT). ``chunk`` bounds memory: the
+    explicit attention of at most ``chunk`` images at a time, fewer where their attention maps would pass ``max_bytes``."""
+    if images.dim() != 4:
+        raise ValueError(f"attention_stats takes an image batch (B, C, H, W), got shape {tuple(images.shape)}")
+    was_training = model.training
+    model.eval()
+    p, ps = model.num_prefix_tokens, patch_size or model.patch_size
+    depth, heads = len(model.blocks), model.blocks[0].attn.num_heads
+    dist_sum, dist_n, ent_sum, ent_norm_sum = (torch.zeros(depth, heads, dtype=torch.float64) for _ in range(4))
+    queries = 0
+    keys = model.embed(images[:1], patch_size=patch_size)[0].shape[1]
+    chunk = max(1, min(chunk, max_bytes // (3 * 4 * heads * keys * keys)))  # logits, softmax and a product alive at once
+    for s in range(0, len(images), chunk):
+        x, pos = model.embed(images[s : s + chunk], patch_size=patch_size)
+        grid = pos.grid
+        cells = grid.cells if grid.batched else grid_cells(grid.size, x.device)[None]  # (B or 1, N, 2) (column, row)
+        centres = cells.float() * ps
+        dist = torch.cdist(centres, centres)  # (B or 1, N, N) pixels
+        inputs = [x, *model.run_blocks(x, pos)][:-1]  # what each block sees
+        for i, (blk, h) in enumerate(zip(model.blocks, inputs)):
+            attn = blk.attn.attention_logits(blk.norm1(h), pos, i).float().softmax(-1)  # (B, H, T, T)
+            ent = -torch.xlogy(attn[:, :, p:], attn[:, :, p:]).sum(-1)  # (B, H, N): 0 log 0 = 0 under a mask
+            ent_sum[i] += ent.sum(dim=(0, 2)).double().cpu()
+            ent_norm_sum[i] += (ent / math.log(keys)).sum(dim=(0, 2)).double().cpu() if keys > 1 else 0.0
+            patch = attn[:, :, p:, p:]
+            mass = patch.sum(-1)  # (B, H, N): attention left on patches
+            has = mass > 1e-6
+            per_query = (patch * dist[:, None]).sum(-1) / mass.clamp(min=1e-6)
+            dist_sum[i] += torch.where(has, per_query, torch.zeros_like(per_query)).sum(dim=(0, 2)).double().cpu()
+            dist_n[i] += has.sum(dim=(0, 2)).double().cpu()
+        queries += x.shape[0] * (x.shape[1] - p)
+    model.train(was_training)
+    return {"distance": torch.where(dist_n > 0, dist_sum / dist_n.clamp(min=1), torch.full_like(dist_sum, float("nan"))).float(),
+            "entropy": (ent_sum / max(queries, 1)).float(), "entropy_norm": (ent_norm_sum / max(queries, 1)).float()}
+
+
+def attention_distance(model: VisionTransformer, images: Tensor) -> Tensor:
+    """Mean attention distance per layer and head in input pixels, ``(depth, heads)``: :func:`attention_stats`'s
+    ``distance``."""
+    return attention_stats(model, images)["distance"]
