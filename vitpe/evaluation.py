@@ -197,8 +197,9 @@ def sweep_summary(rows: List[Dict]) -> List[Dict]:
 def _resolution_axis(ax, rows: List[Dict]) -> None:
     """The x axis of every sweep plot: resolution on a log scale, ticks at the evaluated sizes, the training sizes dotted."""
     ax.set_xscale("log", base=2)
-    ticks = sorted({(r["height"] * r["width"]) ** 0.5 for r in rows})
-    ax.set_xticks(ticks, [next(r["resolution"] for r in rows if (r["height"] * r["width"]) ** 0.5 == t) for t in ticks])
+    square = [r for r in rows if r["height"] == r["width"]] or rows  # non-square sizes are marked, not ticked (they crowd 1x)
+    ticks = sorted({(r["height"] * r["width"]) ** 0.5 for r in square})
+    ax.set_xticks(ticks, [next(r["resolution"] for r in square if (r["height"] * r["width"]) ** 0.5 == t) for t in ticks])
     ax.minorticks_off()
     lo, hi = min(ticks), max(ticks)
     for s in sorted({r["train_size"] for r in rows}):  # labelled, and inside the axes even when not evaluated there
@@ -214,8 +215,14 @@ def _lines(ax, rows: List[Dict], value) -> None:
     labels = list(dict.fromkeys(r["label"] for r in rows))
     colours = _colours(len(labels))
     for i, label in enumerate(labels):
-        pts = sorted(((r["height"] * r["width"]) ** 0.5, value(r)) for r in rows if r["label"] == label)
+        mine = [r for r in rows if r["label"] == label]
+        pts = sorted(((r["height"] * r["width"]) ** 0.5, value(r)) for r in mine if r["height"] == r["width"])
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, color=colours[i % len(colours)])
+        for k, r in enumerate(r for r in mine if r["height"] != r["width"]):  # another aspect ratio: a labelled marker at its area
+            x = (r["height"] * r["width"]) ** 0.5
+            ax.plot([x], [value(r)], marker="s", mfc="none", color=colours[i % len(colours)])
+            ax.annotate(r["resolution"], (x, value(r)), xytext=(5, 6 - 12 * (k % 2)), textcoords="offset points", fontsize=7,
+                        color=colours[i % len(colours)], va="center")
 
 
 def _colours(n: int) -> list:
