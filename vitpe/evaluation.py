@@ -156,14 +156,15 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
             res = evaluate(model, images, labels, ds.mean, ds.std, batch_size, device, dtype, progress=True,
                            desc=f"{desc} @ {h}x{w}", patch_size=patch, tta=tta)
             seconds = time.time() - t1
+            sample = normalize(images[: max(diagnostics, 1)].to(device), ds.mean, ds.std)
             with torch.no_grad(), autocast(device, dtype):  # the tokens the model computes with (content_keep selects)
-                tokens = model.embed(normalize(images[:1].to(device), ds.mean, ds.std), patch_size=patch)[0]
+                tokens = model.embed(sample[:1], patch_size=patch)[0]
             res["tokens_per_image"] = tokens.shape[1] - model.num_prefix_tokens
             if diagnostics:
                 from vitpe.viz import attention_stats
 
                 with autocast(device, dtype):
-                    stats = attention_stats(model, normalize(images[:diagnostics].to(device), ds.mean, ds.std), patch_size=patch)
+                    stats = attention_stats(model, sample, patch_size=patch)
                 extra = {f"attn_{k}": [None if math.isnan(v) else round(v, 4) for v in t.nanmean(1).tolist()] for k, t in stats.items()}
         name = "native" if route == "native" else f"{h}x{w}" if h != w else str(h)
         yield {"coord_mode": mode, "route": route, "resolution": name, "height": h, "width": w,

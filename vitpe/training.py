@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import logging
 import math
 import os
@@ -481,15 +482,15 @@ class Job:
         """Evaluate (rank 0), record the epoch's metrics, checkpoint, then write the metrics files and the log line."""
         cfg = self.cfg
         if self.rank == 0:
-            test = evaluate(self.ema.module if self.ema is not None else self.model, self.test_x, self.test_y, self.ds.mean, self.ds.std,
-                            cfg.train.eval_batch_size, self.device, self.dtype)
+            test_with = functools.partial(evaluate, self.ema.module if self.ema is not None else self.model, self.test_x, self.test_y,
+                                          self.ds.mean, self.ds.std, cfg.train.eval_batch_size, self.device, self.dtype)
+            test = test_with()
             if not math.isfinite(test["loss"]):
                 raise TrainingError(f"test loss became {test['loss']} after epoch {self.epoch + 1}; {self.kept()}. Lower train.lr")
             seen = max(tally.seen, 1)
             tta = cfg.train.eval_tta
             if tta != "none" and self.epoch + 1 == cfg.train.epochs:  # the last epoch's: per epoch it would cost a view each
-                test["top1_tta"] = evaluate(self.ema.module if self.ema is not None else self.model, self.test_x, self.test_y, self.ds.mean,
-                                            self.ds.std, cfg.train.eval_batch_size, self.device, self.dtype, tta=tta)["top1"]
+                test["top1_tta"] = test_with(tta=tta)["top1"]
             self.rows.append({
                 "epoch": self.epoch + 1, "train_loss": loss_sum.item() / seen, "train_acc": tally.correct / seen,
                 "test_loss": test["loss"], "test_top1": test["top1"], **({"test_top5": test["top5"]} if "top5" in test else {}),
