@@ -4,12 +4,14 @@
     python benchmarks/accuracy.py --suite fmnist                      # 15-min CPU recipe (configs/fashion_mnist_cpu.yaml)
     python benchmarks/accuracy.py --suite fmnist --config configs/fashion_mnist.yaml   # the longer (GPU) recipe
     python benchmarks/accuracy.py --suite pe --seeds 0 1              # every family x seeds, shapes and Fashion-MNIST
+    python benchmarks/accuracy.py --suite main --seeds 0 1 2          # the main job (configs/shapes.yaml) and the same without PE
     python benchmarks/accuracy.py --smoke                             # seconds: checks the script still runs
 
 Every number is the last epoch's test top-1 on the full test split (no best-epoch picking). Runs go to
 OUT/runs/ (a finished run is reused, an interrupted one resumed); results to OUT/accuracy.json and
 OUT/accuracy.csv (one row per run, merged with earlier rows), OUT/pe_table.md and OUT/pe_table.png
-(mean, sample standard deviation and every seed).
+(mean, sample standard deviation and every seed). The main suite also records its results by PE in
+vitpe/reference_runs.json, which a finished run of the same recipe compares itself to (its last lines).
 """
 from __future__ import annotations
 
@@ -25,7 +27,10 @@ import torch
 
 import vitpe
 from vitpe.checkpoint import checkpoint_config, load_checkpoint
+from vitpe.config import load_config
+from vitpe.data import load_dataset
 from vitpe.runs import safe_name, train_or_reuse, write_csv
+from vitpe.training import REFERENCE_FILE, recipe_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,6 +55,27 @@ def result_row(run: Path, suite: str, data: str, seed: int) -> Dict:
             "train_steps_s": sum(r["epoch_s"] for r in state["metrics"]), "budget": state.get("budget"), "cpu": cpu_name(),
             "images_per_s": round(last["images_per_s"], 1), "model": cfg["model"], "recipe": {k: cfg[k] for k in ("data", "train")},
             "device": str(cfg["train"]["device"]), "torch": torch.__version__, "run": str(run)}
+
+
+def write_reference(rows: List[Dict], path: Path) -> None:
+    """The main suite's results by PE, under their recipe, in ``path`` (other recipes' entries are kept)."""
+    state = load_checkpoint(rows[0]["run"])
+    cfg = checkpoint_config(state)
+    position = load_dataset(cfg.data.name, train_size=1, test_size=1).position_classes
+    results: Dict[str, Dict[str, list]] = {}
+    for r in sorted(rows, key=lambda r: r["seed"]):
+        per = load_checkpoint(r["run"])["metrics"][-1]["test_per_class_top1"]
+        entry = results.setdefault(r["pe"], {"seeds": [], "top1": [], "position_top1": [], "train_wall_s": []})
+        entry["seeds"].append(r["seed"])
+        entry["top1"].append(round(r["top1"], 4))
+        entry["position_top1"].append(round(statistics.fmean(per[c] for c in position), 4) if position else None)
+        entry["train_wall_s"].append(round(r["train_wall_s"], 1))
+    recipe = recipe_of(cfg)
+    entries = json.loads(path.read_text()) if path.is_file() else []
+    entries = [e for e in entries if e["recipe"] != recipe] + [{
+        "measured": f"{time.strftime('%Y-%m-%d')}, {rows[0]['cpu']}, torch {torch.__version__}",
+        "command": "python benchmarks/accuracy.py --suite main", "recipe": recipe, "results": results}]
+    path.write_text(json.dumps(entries, indent=1) + "\n")
 
 
 def cpu_name() -> str:
@@ -117,8 +143,9 @@ def write_pe_table(rows: List[Dict], out: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", choices=["fmnist", "pe"], default="fmnist")
-    p.add_argument("--config", default=str(CONFIGS / "fashion_mnist_cpu.yaml"), help="fmnist suite: the recipe")
+    p.add_argument("--suite", choices=["fmnist", "pe", "main"], default="fmnist")
+    p.add_argument("--config", help="fmnist suite: the recipe (default configs/fashion_mnist_cpu.yaml); main: configs/shapes.yaml")
+    p.add_argument("--reference", default=str(REFERENCE_FILE), help="main suite: where its results by PE are recorded")
     p.add_argument("--data", nargs="+", default=list(PE_RECIPES), choices=list(PE_RECIPES), help="pe suite: datasets")
     p.add_argument("--pes", nargs="+", help="pe suite: families (default: every registered one)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
@@ -126,14 +153,20 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     p.add_argument("--smoke", action="store_true", help="tiny config on shapes, two PEs, two seeds: seconds")
     args = p.parse_args(argv)
+    args.config = args.config or str(CONFIGS / ("shapes.yaml" if args.suite == "main" else "fashion_mnist_cpu.yaml"))
     out = Path(args.out)
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
 
     jobs = []  # (suite, data, pe, seed, train.py arguments); the fmnist suite's PE is its config's
     if args.smoke:
+        suite = "main" if args.suite == "main" else "pe"
         for pe in args.pes or ["none", "rope_mixed"]:
-            jobs += [("pe", "shapes", pe, s, [*SMOKE, "--pe", pe]) for s in (0, 1)]
+            jobs += [(suite, "shapes", pe, s, [*SMOKE, "--pe", pe]) for s in (0, 1)]
+    elif args.suite == "main":  # the config's own PE and the same recipe without one
+        own = load_config(args.config).model.pos_embed
+        for pe in args.pes or list(dict.fromkeys([own, "none"])):
+            jobs += [("main", load_config(args.config).data.name, pe, s, ["--config", args.config, "--pe", pe]) for s in args.seeds]
     elif args.suite == "fmnist":
         jobs = [("fmnist", "fashion_mnist", "", s, ["--config", args.config]) for s in args.seeds]
     else:
@@ -145,7 +178,7 @@ def main(argv=None) -> int:
     started, rows = time.time(), []
     for suite, data, pe, seed, cmd in jobs:
         # Overrides are part of the name: a finished run is reused by name, so other settings need another one.
-        tag = "-".join([Path(args.config).stem if suite == "fmnist" else f"{data}-{pe}", *args.set])
+        tag = "-".join([{"fmnist": Path(args.config).stem, "main": f"{Path(args.config).stem}-{pe}"}.get(suite, f"{data}-{pe}"), *args.set])
         name = safe_name(f"{suite}-{tag}-seed{seed}")
         cmd = [*cmd, "--set", f"train.seed={seed}", *[x for item in args.set for x in ("--set", item)]]
         run = train_or_reuse(runs / name, cmd, name)
@@ -155,6 +188,12 @@ def main(argv=None) -> int:
         print(f"[{name}] top-1 {100 * row['top1']:.2f}% ({row['params'] / 1e6:.2f}M params, {row['train_wall_s'] / 60:.1f} min training)")
         done = {r["run"] for r in rows}
         write_outputs([r for r in previous if r["run"] not in done] + rows, out)  # a partial study stays readable
+    if args.suite == "main" and rows:
+        write_reference(rows, Path(args.reference))
+        for pe in dict.fromkeys(r["pe"] for r in rows):
+            top = [100 * r["top1"] for r in rows if r["pe"] == pe]
+            print(f"main job, pe={pe}: {statistics.mean(top):.2f}% over seeds ({', '.join(f'{t:.2f}' for t in top)})")
+        print(f"recorded in {args.reference}")
     if len(rows) > 1 and args.suite == "fmnist":
         top = [100 * r["top1"] for r in rows]
         print(f"{rows[0]['recipe_name']}: {statistics.mean(top):.2f} +- {statistics.stdev(top):.2f}% over seeds {args.seeds} "

@@ -1,129 +1,354 @@
 #!/usr/bin/env python
-"""The resolution-transfer study: train every PE family with one recipe, evaluate each at 0.5x-4x.
+"""The resolution-transfer study: every PE family, also trained with per-image coordinate augmentation and with
+multi-resolution training, several seeds, each model trained until its test accuracy stops moving, then measured
+from 0.5x to 4x its training size and at two aspect ratios, on both coordinate modes, FlexiViT's patch-resize
+route and the RoPE extrapolation controls, with each layer's attention distance and entropy beside the accuracy.
 
-    python benchmarks/resolution_transfer.py                       # shapes and Fashion-MNIST, every family
-    python benchmarks/resolution_transfer.py --data shapes --pes rope_mixed learned --epochs 4
-    python benchmarks/resolution_transfer.py --smoke               # seconds: checks the script still runs
+    python benchmarks/resolution_transfer.py --data shapes --seeds 0 1 2          # every row of one dataset
+    python benchmarks/resolution_transfer.py --data shapes --rows rope_axial rope_axial:multires --seeds 0
+    python benchmarks/resolution_transfer.py --report                             # tables and plots from results.json
+    python benchmarks/resolution_transfer.py --smoke                              # seconds: checks the script still runs
 
-Runs go to OUT/runs/DATA-NAME (an existing run is reused, so an interrupted study resumes where it
-stopped); results to OUT/results.json, OUT/results.csv, OUT/table.md and OUT/DATA.png, merged with the
-results already there (the (dataset, PE) pairs measured again are replaced).
-Resolutions: each scale x training size, rounded to the nearest multiple of the patch size for the
-coordinate route, and to the nearest multiple of the token grid for the patch-resize (FlexiViT) route.
+A row is a family name, or ``FAMILY:aug`` (``model.coord_aug`` = AUG below, a draw per image) or ``FAMILY:multires``
+(``train.resolution_range`` = half to twice the training size). The recipe of every row of a dataset is one config,
+``configs/study_DATA.yaml``. Runs go to OUT/runs/DATA-ROW-seedS: a finished run is reused and an interrupted one
+resumed, and each run's rows are merged into OUT/results.json (and the report rewritten) as soon as it is measured,
+so the study can be stopped and restarted at any point, across sessions.
+
+Convergence: a run has converged when its test top-1 rose by less than CONVERGED_POINTS over the last fifth of its
+epochs (the report marks the runs that did not). Sizes: each scale x training size rounded to a multiple of the
+patch size (coordinate routes) or of the token grid (patch route); aspect ratios at the training area.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 import vitpe
-from vitpe.checkpoint import checkpoint_config, model_from_checkpoint
+from vitpe.checkpoint import checkpoint_config, load_checkpoint, model_from_checkpoint
+from vitpe.config import load_config
 from vitpe.coords import snap
-from vitpe.evaluation import dataset_of, evaluate_at
-from vitpe.evaluation import plot as plot_accuracy
+from vitpe.evaluation import DEFAULT_ASPECTS, dataset_of, evaluate_at
 from vitpe.runs import safe_name, train_or_reuse, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 4.0)
-CONFIGS = {"shapes": ROOT / "configs" / "shapes.yaml", "fashion_mnist": ROOT / "configs" / "fashion_mnist.yaml"}
-# Beyond the plain families: the configurations built for resolution robustness.
-ROBUST = {
-    "rope_mixed+multires": ["--pe", "rope_mixed", "--set", "train.resolution_range=[16, 64]"],
-    "sincos2d+multires": ["--pe", "sincos2d", "--set", "train.resolution_range=[16, 64]"],
-}
+SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
+DATASETS = ("shapes", "fashion_mnist")
+CONFIGS = {data: ROOT / "configs" / f"study_{data}.yaml" for data in DATASETS}
+AUG = "{shift: 1.0, rescale: 2.0, jitter: 1.25}"  # one patch of shift, half to twice the scale, 25% aspect (DINOv3-like)
+VARIANTS = ("", "aug", "multires")
+NO_COORDS = ("none", "peg")  # they read no coordinates: one coordinate mode, no coordinate augmentation
+ROPE_CONTROLS = ("ntk", "yarn")
+CONVERGED_POINTS = 0.3
+# The literature's orderings this study checks: (better, worse, scale, source).
+ORDERINGS = (
+    ("cpb", "rel_bias", 2.0, "Swin-V2: log-spaced CPB transfers better than the interpolated Swin bias table"),
+    ("rope_mixed", "learned", 2.0, "RoPE-ViT: RoPE-Mixed transfers better than learned APE"),
+    ("fire", "rope_axial", 4.0, "FIRE: better than RoPE far from the training size"),
+    ("lookhere", "rope_axial", 4.0, "LookHere: better than RoPE far from the training size"),
+)
 
 
-def train_one(data: str, name: str, extra: List[str], args, runs: Path) -> Path:
-    cmd = ["--config", str(args.config or CONFIGS[data]), *extra, "--set", f"train.seed={args.seed}"]
-    for key, value in (("train.epochs", args.epochs), ("data.train_size", args.train_size), ("data.test_size", args.test_size)):
-        if value is not None:
-            cmd += ["--set", f"{key}={value}"]
+def all_rows() -> List[str]:
+    return [f"{pe}:{v}" if v else pe for v in VARIANTS for pe in vitpe.list_pos_embeds() if not (v == "aug" and pe in NO_COORDS)]
+
+
+def parse_row(row: str) -> Tuple[str, str]:
+    pe, _, variant = row.partition(":")
+    if pe not in vitpe.list_pos_embeds() or variant not in VARIANTS or (variant == "aug" and pe in NO_COORDS):
+        raise SystemExit(f"unknown study row {row!r}: a family of vitpe.list_pos_embeds(), optionally with :aug or :multires "
+                         f"(not :aug for {', '.join(NO_COORDS)}, which read no coordinates)")
+    return pe, variant
+
+
+def train_args(data: str, row: str, seed: int, args) -> List[str]:
+    pe, variant = parse_row(row)
+    config = args.config or CONFIGS[data]
+    cfg = load_config(str(config))
+    cmd = ["--config", str(config), "--pe", pe, "--set", f"train.seed={seed}"]
+    if variant == "aug":
+        cmd += ["--set", f"model.coord_aug={AUG}"]
+    if variant == "multires":
+        size, patch = cfg.model.img_size, cfg.model.patch_size
+        cmd += ["--set", f"train.resolution_range=[{snap(size / 2, patch)}, {snap(2 * size, patch)}]"]
     for item in args.set:
         cmd += ["--set", item]
-    return train_or_reuse(runs / safe_name(f"{data}-{name}"), cmd, f"{data} {name}")
+    return cmd
 
 
-def evaluate_run(run: Path, data: str, name: str, args) -> List[Dict]:
+def convergence(metrics: List[Dict]) -> Dict:
+    """The test top-1 gain over the last fifth of the epochs (the last epoch against the one a fifth before it)."""
+    top1 = [m["test_top1"] for m in metrics]
+    back = max(1, round(len(top1) / 5))
+    gain = 100 * (top1[-1] - top1[-1 - back]) if len(top1) > back else float("nan")
+    return {"epochs": len(top1), "last_fifth_gain_points": round(gain, 2), "converged": bool(gain < CONVERGED_POINTS),
+            "train_top1": metrics[-1].get("test_top1"), "train_acc": metrics[-1].get("train_acc"),
+            "train_wall_s": round(metrics[-1].get("wall_s", float("nan")), 1)}
+
+
+def sizes(size: int, patch: int, ref: int) -> List[Tuple[str, float, Tuple[int, int], Optional[Tuple[int, int]]]]:
+    """(column, scale, coordinate-route size, patch-route size) for every column of the tables. The patch route keeps
+    the trained square token grid, so it has no non-square sizes (None)."""
+    out = [(f"{s:g}x", s, (snap(s * size, patch),) * 2, (snap(s * size, ref),) * 2) for s in SCALES]
+    for a in DEFAULT_ASPECTS:
+        hw = (snap(size * a**0.5, patch), snap(size / a**0.5, patch))
+        out.append((f"{hw[0]}x{hw[1]}", 1.0, hw, None))
+    return out
+
+
+def evaluate_run(run: Path, data: str, row: str, seed: int, args) -> List[Dict]:
+    pe, variant = parse_row(row)
     model, state = model_from_checkpoint(run)
     cfg = checkpoint_config(state)
-    size, patch = cfg.model.img_size, model.patch_size
-    ref = model.ref_grid[0]
+    size, patch, ref = cfg.model.img_size, model.patch_size, model.ref_grid[0]
     ds = dataset_of(cfg, test_size=args.eval_size)
-    rows = []
-    modes = ["interpolate", "extrapolate"] if name not in ("none", "peg") else ["interpolate"]  # both modes agree without coordinates
-    for scale in SCALES:
-        plan = [(m, "coords", (snap(scale * size, patch),) * 2) for m in modes]
-        plan.append(("interpolate", "patch", (snap(scale * size, ref),) * 2))
-        for r in evaluate_at(model, ds, plan, torch.device("cpu"), desc=f"{data} {name}"):
-            label = f"{name} ({r['coord_mode']})" if r["route"] == "coords" else f"{name} (patch resize)"
-            rows.append({"data": data, "pe": name, "coord_mode": r["coord_mode"], "route": r["route"], "label": label, "scale": scale,
-                         "resolution": r["resolution"], "height": r["height"], "width": r["width"], "train_size": size, "top1": r["top1"],
-                         "loss": r["loss"], "n": r["n"], "seconds": r["seconds"], "run": str(run), "chance": 1 / ds.num_classes})
-            print(f"[{data} {name}] {label:<40} {r['height']:>4}px ({scale}x): top-1 {100 * r['top1']:.2f}")
-    return rows
+    rotary = any(getattr(m, "rotary", False) for m in model.modules())
+    base = {"data": data, "row": row, "pe": pe, "variant": variant or "plain", "seed": seed, "train_size": size,
+            "chance": 1 / ds.num_classes, "run": str(run.relative_to(ROOT) if run.is_relative_to(ROOT) else run),
+            **convergence(state["metrics"])}
+    out = []
+    columns = sizes(size, patch, ref)
+    # (label, route, rope scaling); the rope controls only at sizes where a side passes the trained extent (below).
+    plan = [("interpolate", "coords", None), ("patch", "patch", None)]
+    if pe not in NO_COORDS:
+        plan.insert(1, ("extrapolate", "coords", None))
+    if rotary:
+        plan += [(f"extrapolate+{s}", "coords", s) for s in ROPE_CONTROLS]
+    for label, route, scaling in plan:
+        mode = "extrapolate" if label.startswith("extrapolate") else "interpolate"
+        if rotary:
+            try:
+                vitpe.set_rope_extrapolation(model, scaling or "none")
+            except ValueError:  # liere and comrope learn matrices: only position interpolation applies to them
+                continue
+        todo = [c for c in columns if (scaling is None or max(c[2]) > size) and (route != "patch" or c[3] is not None)]
+        entries = [(mode, route, c[3] if route == "patch" else c[2]) for c in todo]
+        diag = args.diagnostics if route == "coords" and scaling is None else 0
+        for col, r in zip(todo, evaluate_at(model, ds, entries, torch.device("cpu"), desc=f"{data} {row} s{seed} {label}",
+                                           diagnostics=diag)):
+            # one patch of the training grid, in pixels at this size: distances in it are comparable across sizes
+            ref_patch_px = patch * math.sqrt(r["height"] * r["width"]) / size
+            if "attn_distance" in r:
+                r["attn_distance_ref"] = [None if d is None else round(d / ref_patch_px, 3) for d in r["attn_distance"]]
+            out.append({**base, "label": label, "route": route, "coord_mode": mode, "rope_scaling": scaling or "none",
+                        "column": col[0], "scale": col[1], "height": r["height"], "width": r["width"],
+                        "resolution": r["resolution"], "top1": r["top1"], "loss": r["loss"], "n": r["n"],
+                        "tokens_per_image": r["tokens_per_image"], "images_per_s": r["images_per_s"],
+                        **{k: v for k, v in r.items() if k.startswith("attn_")}})
+            print(f"[{data} {row} seed {seed}] {label:<18} {col[0]:>6} ({r['resolution']}): top-1 {100 * r['top1']:.2f}")
+    return out
 
 
-def write_outputs(rows: List[Dict], out: Path) -> None:
+# ---- the report ------------------------------------------------------------------------------------------------------
+def mean_sd(values: List[float]) -> Tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else float("nan"))
+
+
+def cells(rows: List[Dict]) -> Dict[Tuple[str, str, str, str], List[Dict]]:
+    """Rows grouped by (data, row, label, column): one entry per seed."""
+    out: Dict[Tuple[str, str, str, str], List[Dict]] = {}
+    for r in rows:
+        out.setdefault((r["data"], r["row"], r["label"], r["column"]), []).append(r)
+    return out
+
+
+def column_order(column: str) -> Tuple[int, float, str]:
+    """Square scales first, smallest first (``"0.5x"``), then the non-square sizes (``"24x44"``)."""
+    try:
+        return 0, float(column[:-1]), ""
+    except ValueError:
+        return 1, 0.0, column
+
+
+def fmt(group: Optional[List[Dict]], key: str = "top1", scale: float = 100.0) -> str:
+    if not group:
+        return "-"
+    m, sd = mean_sd([scale * g[key] for g in group])
+    return f"{m:.1f}" if math.isnan(sd) else f"{m:.1f} ± {sd:.1f}"
+
+
+def drop(group: Dict, data: str, row: str, label: str, column: str) -> Optional[float]:
+    """Mean over seeds of (top-1 at ``column``) - (top-1 at 1x), paired by seed, in points."""
+    at, one = group.get((data, row, label, column)), group.get((data, row, label.partition("+")[0], "1x"))  # RoPE controls: vs extrapolate
+    if not at or not one:
+        return None
+    base = {r["seed"]: r["top1"] for r in one}
+    diffs = [100 * (r["top1"] - base[r["seed"]]) for r in at if r["seed"] in base]
+    return statistics.fmean(diffs) if diffs else None
+
+
+def best_rows(rows: List[Dict], data: str, floor: float) -> List[Tuple[float, str, str, float]]:
+    """(loss at 2x, row, label, top-1 at 1x) on the coordinate routes, for rows at least ``floor`` at 1x, best first."""
+    group = cells(rows)
+    out = []
+    for (d, row, label, column), g in group.items():
+        if d != data or column != "1x" or label == "patch" or label.startswith("extrapolate+"):
+            continue
+        one = statistics.fmean(r["top1"] for r in g)
+        two = drop(group, data, row, label, "2x")
+        if one >= floor and two is not None:
+            out.append((two, row, label, one))
+    return sorted(out, reverse=True)
+
+
+def report(rows: List[Dict], out: Path) -> None:
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     write_csv(rows, out / "results.csv")
-    lines = []
-    for data in dict.fromkeys(r["data"] for r in rows):
+    group = cells(rows)
+    lines = [f"Generated by `python benchmarks/resolution_transfer.py --report` from {len(rows)} measurements. Cells: mean "
+             f"± sd of top-1 % over seeds. `*` after a row: a seed that had not converged (test top-1 rose "
+             f"{CONVERGED_POINTS} points or more over its last fifth of epochs).", ""]
+    for data in DATASETS:
         sub = [r for r in rows if r["data"] == data]
-        lines += [f"### {data}", "", "| PE (coordinates / route) | " + " | ".join(f"{s}x" for s in SCALES) + " | 2x - 1x |",
-                  "| --- | " + " | ".join("---:" for _ in SCALES) + " | ---: |"]
-        for label in dict.fromkeys(r["label"] for r in sub):
-            cells = {r["scale"]: r for r in sub if r["label"] == label}
-            acc = [f"{100 * cells[s]['top1']:.1f} ({cells[s]['resolution']})" if s in cells else "-" for s in SCALES]
-            drop = 100 * (cells[2.0]["top1"] - cells[1.0]["top1"]) if 2.0 in cells and 1.0 in cells else float("nan")
-            lines.append(f"| {label} | " + " | ".join(acc) + f" | {drop:+.1f} |")
+        if not sub:
+            continue
+        columns = sorted({r["column"] for r in sub}, key=column_order)
+        run_info = {}
+        for r in sub:
+            run_info.setdefault(r["row"], {})[r["seed"]] = r
+        lines += [f"## {data} (trained at {sub[0]['train_size']} px)", "",
+                  "| row | seeds | epochs | train min | converged | 1x top-1 |", "| --- | ---: | ---: | ---: | --- | ---: |"]
+        for row, seeds in run_info.items():
+            conv = [s["converged"] for s in seeds.values()]
+            lines.append(f"| {row} | {len(seeds)} | {statistics.fmean(s['epochs'] for s in seeds.values()):.0f} | "
+                         f"{statistics.fmean(s['train_wall_s'] for s in seeds.values()) / 60:.1f} | {sum(conv)}/{len(conv)} | "
+                         f"{fmt(group.get((data, row, 'interpolate', '1x')))} |")
         lines.append("")
-        # The plot: the coordinate route in interpolate mode (the patch route is nearly flat: see the table).
-        plot_accuracy([r for r in sub if r["route"] == "coords" and r["coord_mode"] == "interpolate"],
-                         out / f"{data}.png", f"top-1 against resolution, {data} (trained at {sub[0]['train_size']}px)")
+        for label in dict.fromkeys(r["label"] for r in sub):
+            lines += [f"### {data}: {label}", "", "| row | " + " | ".join(columns) + " | 2x - 1x | 4x - 1x |",
+                      "| --- | " + " | ".join("---:" for _ in columns) + " | ---: | ---: |"]
+            for row in run_info:
+                if (data, row, label, "2x") not in group and (data, row, label, "1x") not in group:
+                    continue
+                star = "" if all(s["converged"] for s in run_info[row].values()) else " *"
+                deltas = [drop(group, data, row, label, c) for c in ("2x", "4x")]
+                lines.append(f"| {row}{star} | " + " | ".join(fmt(group.get((data, row, label, c))) for c in columns) + " | "
+                             + " | ".join("-" if d is None else f"{d:+.1f}" for d in deltas) + " |")
+            lines.append("")
+        lines += attention_table(sub, group, data, columns)
+        lines += [f"### {data}: the literature's orderings (interpolate mode, change from 1x in points)", ""]
+        for better, worse, scale, source in ORDERINGS:
+            col = f"{scale:g}x"
+            a, b = drop(group, data, better, "interpolate", col), drop(group, data, worse, "interpolate", col)
+            if a is None or b is None:
+                lines.append(f"- {source}: not measured yet")
+                continue
+            verdict = "confirmed" if a > b else "contradicted"
+            lines.append(f"- {source}: {better} {a:+.1f} vs {worse} {b:+.1f} at {col}: {verdict}")
+        floor = 0.95 if data == "shapes" else 0.90
+        best = best_rows(rows, data, floor)
+        lines += ["", f"### {data}: smallest loss at 2x among rows at least {100 * floor:.0f}% at 1x (coordinate route)", ""]
+        lines += [f"- {row} ({label}): {100 * one:.1f}% at 1x, {d:+.1f} at 2x, "
+                  f"{(drop(group, data, row, label, '4x') or float('nan')):+.1f} at 4x" for d, row, label, one in best[:5]] or ["- none yet"]
+        lines.append("")
+        plot(sub, group, data, out)
     (out / "table.md").write_text("\n".join(lines))
+
+
+def attention_table(sub: List[Dict], group: Dict, data: str, columns: List[str]) -> List[str]:
+    """Last layer's attention entropy (over log keys) and distance (in patches), interpolate mode, mean over seeds."""
+    lines = [f"### {data}: last layer's attention, interpolate mode (normalised entropy / mean distance in training-grid cells)", "",
+             "| row | " + " | ".join(columns) + " |", "| --- | " + " | ".join("---:" for _ in columns) + " |"]
+    for row in dict.fromkeys(r["row"] for r in sub):
+        out = []
+        for c in columns:
+            g = [r for r in group.get((data, row, "interpolate", c), []) if r.get("attn_entropy_norm")]
+            if not g:
+                out.append("-")
+                continue
+            ent = statistics.fmean(r["attn_entropy_norm"][-1] for r in g)
+            dist = statistics.fmean(r["attn_distance_ref"][-1] for r in g)
+            out.append(f"{ent:.2f} / {dist:.1f}")
+        lines.append(f"| {row} | " + " | ".join(out) + " |")
+    return lines + [""]
+
+
+def curve(group: Dict, data: str, row: str, value) -> List[Tuple[float, float]]:
+    """(scale, mean over seeds of ``value(result)``) at the square sizes, interpolate mode, where measured."""
+    pts = []
+    for s in SCALES:
+        g = [r for r in group.get((data, row, "interpolate", f"{s:g}x"), []) if value(r) is not None]
+        if g:
+            pts.append((s, statistics.fmean(value(r) for r in g)))
+    return pts
+
+
+def plot(sub: List[Dict], group: Dict, data: str, out: Path) -> None:
+    """DATA.png: top-1 against scale, one panel per variant; DATA_attention.png: the last layer's attention."""
+    from vitpe.viz import pyplot
+
+    plt = pyplot()
+    panels = [("plain", "top-1 (%)", lambda r: 100 * r["top1"]), ("aug", "top-1 (%)", lambda r: 100 * r["top1"]),
+              ("multires", "top-1 (%)", lambda r: 100 * r["top1"])]
+    attention = [("plain", "last layer: attention entropy / log(keys)", lambda r: (r.get("attn_entropy_norm") or [None])[-1]),
+                 ("plain", "last layer: mean attention distance (training-grid cells)", lambda r: (r.get("attn_distance_ref") or [None])[-1])]
+    for name, spec in ((f"{data}.png", panels), (f"{data}_attention.png", attention)):
+        fig, axes = plt.subplots(1, len(spec), figsize=(6.5 * len(spec), 5.5))
+        for ax, (variant, ylabel, value) in zip(axes, spec):
+            rows = list(dict.fromkeys(r["row"] for r in sub if r["variant"] == variant))
+            for i, row in enumerate(rows):
+                pts = curve(group, data, row, value)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=row, color=plt.cm.tab20(i % 20), ls="-" if i < 10 else "--")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(SCALES, [f"{s:g}x" for s in SCALES])
+            ax.axvline(1.0, color="grey", lw=0.8, ls=":")
+            ax.set_title(f"{data}, {variant} rows, interpolate mode (mean over seeds)", fontsize=10)
+            ax.set_xlabel("resolution / training resolution")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            if rows:
+                ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", nargs="+", default=["shapes", "fashion_mnist"], choices=list(CONFIGS))
-    p.add_argument("--pes", nargs="+", help="families and/or robust configurations (default: all of both)")
-    p.add_argument("--config", help="override the per-dataset config")
-    p.add_argument("--epochs", type=int)
-    p.add_argument("--train-size", type=int)
-    p.add_argument("--test-size", type=int)
+    p.add_argument("--data", nargs="+", default=list(DATASETS), choices=DATASETS)
+    p.add_argument("--rows", nargs="+", help="study rows (default: every family, plain, :aug and :multires)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--config", help="one config for every dataset instead of configs/study_DATA.yaml")
     p.add_argument("--eval-size", type=int, default=1000, help="test images per evaluation")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--diagnostics", type=int, default=32, help="test images for the attention diagnostics (0: off)")
     p.add_argument("--set", action="append", default=[], help="extra config override for every run")
     p.add_argument("--out", default=str(ROOT / "docs" / "resolution_transfer"))
-    p.add_argument("--smoke", action="store_true", help="tiny config, two PEs, shapes only: seconds")
+    p.add_argument("--report", action="store_true", help="only rewrite the tables and plots from OUT/results.json")
+    p.add_argument("--smoke", action="store_true", help="tiny config, two rows, one seed, shapes only: seconds")
     args = p.parse_args(argv)
     if args.smoke:
-        args.data, args.config, args.eval_size = ["shapes"], ROOT / "configs" / "tiny.yaml", 32
-        args.pes = args.pes or ["learned", "rope_mixed+multires"]
+        args.data, args.config, args.eval_size, args.seeds, args.diagnostics = ["shapes"], ROOT / "configs" / "tiny.yaml", 32, [0], 4
+        args.rows = args.rows or ["learned", "rope_axial:multires"]
         args.set = args.set + ["train.epochs=1"]
-    args.pes = args.pes or vitpe.list_pos_embeds() + list(ROBUST)
     out = Path(args.out)
-    runs = out / "runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    # Earlier results (other datasets or PEs) are kept; only the (data, pe) pairs measured now are replaced.
-    previous = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else []
-    started, rows = time.time(), []
-    for data in args.data:
-        for name in args.pes:
-            extra = ROBUST.get(name, ["--pe", name])
-            if args.smoke and name in ROBUST:
-                extra = [e.replace("[16, 64]", "[8, 24]") for e in extra]
-            run = train_one(data, name, extra, args, runs)
-            rows += evaluate_run(run, data, name, args)
-            done = {(r["data"], r["pe"]) for r in rows}
-            write_outputs([r for r in previous if (r["data"], r["pe"]) not in done] + rows, out)  # a partial study stays readable
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else []
+    if args.report:
+        report(results, out)
+        print(f"report: {out / 'table.md'}")
+        return 0
+    todo = [(data, row, seed) for data in args.data for seed in args.seeds for row in (args.rows or all_rows())]
+    for data, row, _ in todo:
+        parse_row(row)  # every row checked before the first run starts
+    started = time.time()
+    for data, row, seed in todo:
+        run = train_or_reuse(out / "runs" / safe_name(f"{data}-{row}-seed{seed}"), train_args(data, row, seed, args), f"{data} {row} seed {seed}")
+        epochs = {r["epochs"] for r in results if (r["data"], r["row"], r["seed"]) == (data, row, seed)}
+        if epochs == {load_checkpoint(run)["epoch"]}:
+            continue  # measured before, on this checkpoint
+        new = evaluate_run(run, data, row, seed, args)
+        results = [r for r in results if (r["data"], r["row"], r["seed"]) != (data, row, seed)] + new
+        report(results, out)  # a partial study stays readable
     print(f"study done in {(time.time() - started) / 60:.1f} min: {out / 'table.md'}")
     return 0
 

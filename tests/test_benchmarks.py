@@ -3,6 +3,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 import vitpe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,17 +17,34 @@ def load(name):
     return module
 
 
-def test_resolution_transfer_smoke(tmp_path):
-    assert load("resolution_transfer").main(["--smoke", "--out", str(tmp_path)]) == 0
+def test_resolution_transfer_smoke(tmp_path, capsys):
+    study = load("resolution_transfer")
+    assert study.main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())
-    assert {r["pe"] for r in rows} == {"learned", "rope_mixed+multires"}
-    assert {r["scale"] for r in rows} == {0.5, 0.75, 1.0, 1.5, 2.0, 4.0} and {r["route"] for r in rows} == {"coords", "patch"}
+    assert {r["row"] for r in rows} == {"learned", "rope_axial:multires"} and {r["seed"] for r in rows} == {0}
+    columns = {"0.5x", "0.75x", "1x", "1.5x", "2x", "3x", "4x", "12x24", "24x12"}  # tiny.yaml trains at 16 px
+    learned = [r for r in rows if r["row"] == "learned"]
+    assert {r["column"] for r in learned} == columns and {r["label"] for r in learned} == {"interpolate", "extrapolate", "patch"}
+    assert {r["column"] for r in learned if r["label"] == "patch"} == columns - {"12x24", "24x12"}  # the patch route keeps a square grid
+    rope = [r for r in rows if r["row"] == "rope_axial:multires"]
+    yarn = {r["column"] for r in rope if r["label"] == "extrapolate+yarn"}
+    assert yarn == {"1.5x", "2x", "3x", "4x", "12x24", "24x12"}  # the controls only where a side passes the trained extent
+    coords = [r for r in rows if r["route"] == "coords" and r["rope_scaling"] == "none"]
+    assert all(len(r["attn_entropy_norm"]) == 2 and len(r["attn_distance_ref"]) == 2 for r in coords)  # per layer (depth 2)
+    assert all(isinstance(r["converged"], bool) and r["epochs"] == 1 for r in rows)
     table = (tmp_path / "table.md").read_text()
-    assert "| learned (interpolate) |" in table and (tmp_path / "shapes.png").stat().st_size > 5000
-    # A later invocation for other PEs adds to the results instead of replacing them (finished runs are reused).
-    assert load("resolution_transfer").main(["--smoke", "--out", str(tmp_path), "--pes", "learned"]) == 0
-    again = json.loads((tmp_path / "results.json").read_text())
-    assert {r["pe"] for r in again} == {"learned", "rope_mixed+multires"} and len(again) == len(rows)
+    for text in ("## shapes (trained at 16 px)", "### shapes: interpolate", "| learned |", "### shapes: extrapolate+yarn",
+                 "FIRE: better than RoPE far from the training size: not measured yet", "last layer's attention"):
+        assert text in table
+    assert (tmp_path / "shapes.png").stat().st_size > 5000 and (tmp_path / "shapes_attention.png").stat().st_size > 5000
+    # Run again for one row: nothing is trained or measured again, every result is kept.
+    capsys.readouterr()
+    assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned"]) == 0
+    assert "reusing finished run" in capsys.readouterr().out
+    assert json.loads((tmp_path / "results.json").read_text()) == rows
+    assert study.main(["--report", "--out", str(tmp_path)]) == 0 and (tmp_path / "table.md").read_text() == table
+    with pytest.raises(SystemExit, match="unknown study row 'none:aug'"):
+        study.main(["--smoke", "--out", str(tmp_path), "--rows", "none:aug"])
 
 
 def test_speed_smoke(tmp_path):
@@ -82,3 +101,24 @@ def test_cpu_levers_smoke(tmp_path):
     assert load("cpu_levers").main(["--smoke", "--out", str(tmp_path / "c"), "--parts", "content", "--arch", "fmnist"]) == 0
     row = json.loads((tmp_path / "c" / "cpu_levers.json").read_text())["rows"][0]
     assert row["keep0.5_img_s"] > 0 and row["ratio_keep0.65_over_keep1"] > 0
+
+
+def test_main_suite_records_its_results_and_a_later_run_of_the_recipe_compares_itself(tmp_path, capsys, monkeypatch):
+    from vitpe import training
+
+    reference = tmp_path / "reference.json"
+    assert load("accuracy").main(["--smoke", "--suite", "main", "--out", str(tmp_path), "--reference", str(reference)]) == 0
+    entries = json.loads(reference.read_text())
+    assert len(entries) == 1 and set(entries[0]["results"]) == {"none", "rope_mixed"}
+    none = entries[0]["results"]["none"]
+    assert none["seeds"] == [0, 1] and len(none["top1"]) == len(none["position_top1"]) == 2
+    assert "main job, pe=none" in capsys.readouterr().out
+    # A new run of that recipe with another PE and seed ends with the measured comparison; another recipe does not.
+    monkeypatch.setattr(training, "REFERENCE_FILE", reference)
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    assert training.main(["--config", tiny, "--epochs", "1", "--pe", "sincos2d", "--set", "train.seed=5", "--out-dir", str(tmp_path),
+                          "--name", "later"]) == 0
+    out = capsys.readouterr().out
+    assert "learned: " in out and f"without a PE (pos_embed=none) the same recipe reached {100 * sum(none['top1']) / 2:.1f}%" in out
+    assert training.main(["--config", tiny, "--epochs", "2", "--out-dir", str(tmp_path), "--name", "other"]) == 0
+    assert "without a PE" not in capsys.readouterr().out

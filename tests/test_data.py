@@ -62,6 +62,11 @@ def test_shapes_dataset_split_sizes_and_native_rendering():
     x64, y64 = ds.split(True, (64, 64))
     assert x64.shape == (50, 3, 64, 64) and torch.equal(y, y64)
     assert not ds.flip_ok and ds.renders_natively and ds.num_classes == 10
+    # The classes only position tells apart hold the same two shapes.
+    assert ds.position_classes == (5, 6, 7, 8)
+    kinds = shapes_params(400, seed=0)
+    for c in ds.position_classes:
+        assert sorted(kinds["kind"][kinds["label"] == c][0].tolist()) == [0, 1]
 
 
 def test_unknown_dataset():

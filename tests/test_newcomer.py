@@ -1,5 +1,6 @@
 """What a newcomer meets (issue 16): which weights a number comes from, warnings for schedules that cannot work,
 progress in logs, one-line errors for foreign files, prediction on image files, finite attention distances."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -50,6 +51,34 @@ def test_undertrained_hint():
     assert "--set train.budget_min=30" in train_script.undertrained_hint(rows, 10, 7, budget_min=15)  # a budget decided the epochs
     assert "near chance" in train_script.undertrained_hint([{"test_top1": 0.12}], 10, 1)
     assert train_script.undertrained_hint([{"test_top1": 0.90}, {"test_top1": 0.905}], 10, 7) is None
+
+
+def test_the_last_lines_say_what_position_bought_and_compare_with_the_measured_none(tmp_path):
+    cfg = load_config(str(ROOT / "configs" / "shapes.yaml"))
+    ds = vitpe.data.load_dataset("shapes", train_size=1, test_size=1)
+    per = [0.99] * 5 + [0.90, 0.92, 0.94, 0.96] + [0.99]
+    row = {"test_top1": 0.95, "test_per_class_top1": per}
+    lines = train_script.learned_lines(row, ds, cfg)
+    assert len(lines) == 1 and lines[0].startswith("learned: 93.0% on the 4 classes only position tells apart (circle above square")
+    assert "cannot beat 25%" in lines[0] and "99.0% on the other 6" in lines[0]
+    # The recipe's measured results are found by recipe: the PE and the seed are not part of it, the epochs are.
+    other = load_config(str(ROOT / "configs" / "shapes.yaml"))
+    other.model.pos_embed, other.train.seed = "none", 3
+    ref = {"measured": "2026-11-23, test CPU", "recipe": train_script.recipe_of(other),
+           "results": {"none": {"seeds": [0, 1], "top1": [0.70, 0.72], "position_top1": [0.26, 0.24]}}}
+    path = tmp_path / "reference.json"
+    path.write_text(json.dumps([ref]))
+    found = train_script.reference_results(cfg, path)
+    assert found == ref
+    lines = train_script.learned_lines(row, ds, cfg, found)
+    assert lines[1] == ("without a PE (pos_embed=none) the same recipe reached 71.0% (25.0% on those 4 classes; measured 2026-11-23, "
+                        "test CPU, seeds [0, 1]): sincos2d adds +24.0 points")
+    other.train.epochs = 99
+    assert train_script.reference_results(other, path) is None and train_script.reference_results(cfg, tmp_path / "missing.json") is None
+    # Data without position-only classes, or a run without a PE: no comparison with itself.
+    assert train_script.learned_lines(row, dataclasses.replace(ds, position_classes=()), cfg, found) == []
+    cfg.model.pos_embed = "none"
+    assert len(train_script.learned_lines(row, ds, cfg, found)) == 1
 
 
 def test_heartbeat_prints_progress_lines_with_the_time_left():

@@ -15,10 +15,12 @@ import argparse
 import contextlib
 import datetime
 import functools
+import json
 import logging
 import math
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -40,6 +42,11 @@ from vitpe.errors import VitpeError, run_cli
 from vitpe.runs import RunError, RunLock, create_run_dir, safe_name, write_metrics  # noqa: F401 (safe_name: public name)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shapes.yaml"  # the repository's configs/
+# Measured results of recipes, by PE (benchmarks/accuracy.py --suite main writes it): what a finished run compares itself to.
+REFERENCE_FILE = Path(__file__).resolve().parent / "reference_runs.json"
+# Config keys that do not change what a recipe learns, or that a reference compares across.
+_NOT_RECIPE = {"model": ("pos_embed", "pos_embed_kwargs"), "train": ("seed", "device", "dist_timeout_s", "time_limit_min"),
+               "data": ("data_dir",), "": ("out_dir", "name")}
 
 
 class TrainingError(VitpeError, RuntimeError):
@@ -198,6 +205,48 @@ def undertrained_hint(rows: List[Dict[str, Any]], num_classes: int, epochs: int,
     if last < 1.5 * chance:
         return f"test top-1 {100 * last:.1f}% is near chance ({100 * chance:.1f}%): the model has not learned yet; train longer or raise train.lr"
     return None
+
+
+def recipe_of(cfg: Config) -> Dict[str, Any]:
+    """``cfg`` without the PE, the seed and where things go: two runs with the same recipe differ only in those."""
+    out = cfg.to_dict()
+    for section, keys in _NOT_RECIPE.items():
+        node = out[section] if section else out
+        for key in keys:
+            node.pop(key, None)
+    return out
+
+
+def reference_results(cfg: Config, path: Optional[Path] = None) -> Optional[Dict[str, Any]]:
+    """The measured results (per PE) of ``cfg``'s recipe, if it is one in ``path`` (default REFERENCE_FILE); else None."""
+    try:
+        entries = json.loads(Path(path or REFERENCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    recipe = recipe_of(cfg)
+    return next((e for e in entries if e.get("recipe") == recipe), None)
+
+
+def learned_lines(row: Dict[str, Any], ds, cfg: Config, reference: Optional[Dict[str, Any]] = None) -> List[str]:
+    """What a finished run learned, in its data's terms: on data whose classes differ only in where things are, their
+    top-1 beside the others', and the same recipe without a PE as measured (``reference``), when there is one."""
+    position = ds.position_classes
+    per = row.get("test_per_class_top1")
+    if not position or not per:
+        return []
+    at = statistics.fmean(per[c] for c in position)
+    rest = statistics.fmean(per[c] for c in range(len(per)) if c not in position)
+    lines = [f"learned: {100 * at:.1f}% on the {len(position)} classes only position tells apart "
+             f"({', '.join(ds.classes[c] for c in position)}; without position a model cannot beat {100 / len(position):.0f}% on them), "
+             f"{100 * rest:.1f}% on the other {len(per) - len(position)} (mean per-class top-1)"]
+    none = (reference or {}).get("results", {}).get("none")
+    if none and cfg.model.pos_embed != "none":
+        seeds, top1, pos = none["seeds"], none["top1"], none["position_top1"]
+        base = statistics.fmean(top1)
+        lines.append(f"without a PE (pos_embed=none) the same recipe reached {100 * base:.1f}% ({100 * statistics.fmean(pos):.1f}% on those "
+                     f"{len(position)} classes; measured {reference['measured']}, seeds {seeds}): {cfg.model.pos_embed} adds "
+                     f"{100 * (row['test_top1'] - base):+.1f} points")
+    return lines
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -610,6 +659,8 @@ def train_loop(job: Job) -> int:
             + f"{' (EMA weights; eval.py --no-ema for the raw ones)' if job.ema is not None else ''}\n"
             f"  run:        {run}\n  checkpoint: {run / CHECKPOINT_NAME}\n  metrics:    {run / 'metrics.csv'} (and metrics.jsonl)\n"
             f"  evaluate at other resolutions: python eval.py {run}")
+        for line in learned_lines(job.rows[-1], job.ds, cfg, reference_results(cfg)):
+            log(line)
         hint = undertrained_hint(job.rows, job.ds.num_classes, cfg.train.epochs, cfg.train.budget_min)
         if hint:
             log(f"note: {hint}")

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..errors import VitpeError
 from ..suggest import did_you_mean
-from .shapes import SHAPES_CLASSES, render_shapes, shapes_params
+from .shapes import POSITION_CLASSES, SHAPES_CLASSES, render_shapes, shapes_params
 
 __all__ = ["DataError", "ImageDataset", "load_dataset", "resize_images", "DEBIAN_FASHION_MNIST"]
 
@@ -59,6 +59,8 @@ class ImageDataset:
     _cache: Dict = field(repr=False, default_factory=dict)
     _pick: Optional[Callable[[bool, Tensor, Tuple[int, int]], Tensor]] = field(repr=False, default=None)
     _aspects: Dict[bool, Tensor] = field(repr=False, default_factory=dict)
+    # Classes that hold the same content and differ only in where it is: a model without position cannot tell them apart.
+    position_classes: Tuple[int, ...] = ()
 
     @property
     def num_classes(self) -> int:
@@ -115,7 +117,8 @@ def _shapes(data_dir: Path, train_size: Optional[int], test_size: Optional[int])
     def pick(train: bool, index: Tensor, size: Tuple[int, int]) -> Tensor:
         return render_shapes({k: v[index] for k, v in params_of(train).items()}, size)
 
-    return ImageDataset("shapes", SHAPES_CLASSES, 3, (32, 32), (0.5, 0.5, 0.5), (0.28, 0.28, 0.28), False, True, load, _pick=pick)
+    return ImageDataset("shapes", SHAPES_CLASSES, 3, (32, 32), (0.5, 0.5, 0.5), (0.28, 0.28, 0.28), False, True, load, _pick=pick,
+                        position_classes=POSITION_CLASSES)
 
 
 # ---- Fashion-MNIST ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["SHAPES_CLASSES", "shapes_params", "render_shapes"]
+__all__ = ["SHAPES_CLASSES", "POSITION_CLASSES", "shapes_params", "render_shapes"]
 
 SHAPES_CLASSES = (
     "circle",
@@ -36,7 +36,17 @@ SHAPES_CLASSES = (
 CIRCLE, SQUARE, TRIANGLE, RING, CROSS = range(5)
 _KINDS = torch.tensor([[0, -1], [1, -1], [2, -1], [3, -1], [4, -1], [0, 1], [1, 0], [0, 1], [1, 0], [2, 2]])
 _ABOVE, _LEFT = (5, 6), (7, 8)
+POSITION_CLASSES = _ABOVE + _LEFT  # the same two shapes: only where they are tells these apart
 N_TEX = 3  # background texture: sinusoids of random direction, frequency and phase
+TEXTURE_AMP = 0.05  # each sinusoid's amplitude scale (0: flat backgrounds)
+# What a shape is should be easy to see, so that telling the arrangement classes apart is about position: shapes are
+# large, upright and apart from the background (measured: with these, the main job's ViT learns every class).
+SINGLE_RADIUS = (0.22, 0.08)  # (smallest, range): circumradius of a lone shape, in image widths
+PAIR_RADIUS = (0.15, 0.04)  # ... of each shape of a pair
+PAIR_GAP = (0.14, 0.06)  # (smallest, range): free space between a pair's shapes along their axis, over a patch (1/8)
+MIN_CONTRAST = 0.5  # shapes differ from the background by at least this in some channel
+ROTATION = 0.0  # shapes turn by up to this fraction of a full turn (0: upright)
+CROSS_ARM = 0.4  # a cross's arm half-width, in its radii
 
 
 def shapes_params(n: int, seed: int, start: int = 0) -> dict:
@@ -54,13 +64,13 @@ def shapes_params(n: int, seed: int, start: int = 0) -> dict:
     u = draw(24)
     label = (u[:, 0] * len(SHAPES_CLASSES)).long().clamp_max(len(SHAPES_CLASSES) - 1)
     two = _KINDS[label, 1] >= 0
-    r = torch.where(two[:, None], 0.12 + 0.05 * u[:, 1:3], 0.16 + 0.12 * u[:, 1:3])  # (n, 2) radii
-    rot = u[:, 3:5] * 2 * math.pi
+    r = torch.where(two[:, None], PAIR_RADIUS[0] + PAIR_RADIUS[1] * u[:, 1:3], SINGLE_RADIUS[0] + SINGLE_RADIUS[1] * u[:, 1:3])  # (n, 2) radii
+    rot = u[:, 3:5] * 2 * math.pi * ROTATION
     # Single shapes: anywhere that keeps them inside the image.
     c1 = r[:, :1] + 0.03 + (1 - 2 * r[:, :1] - 0.06) * u[:, 5:7]
-    # Pairs: along one axis with a gap of at least 0.15 (more than a patch at patch size <= 1/8 image),
+    # Pairs: along one axis with a gap of at least PAIR_GAP[0] (more than a patch at patch size <= 1/8 image),
     # roughly aligned on the other axis.
-    gap = 0.15 + 0.1 * u[:, 7]
+    gap = PAIR_GAP[0] + PAIR_GAP[1] * u[:, 7]
     span = r[:, 0] + r[:, 1] + gap  # centre distance along the main axis
     lo = r[:, 0] + 0.03
     a1 = lo + (1 - 0.03 - r[:, 1] - span - lo).clamp_min(0) * u[:, 8]  # first shape's main-axis centre
@@ -75,10 +85,10 @@ def shapes_params(n: int, seed: int, start: int = 0) -> dict:
     pair_xy = torch.where(above[:, None, None], torch.stack([p_cross, p_main], -1), torch.stack([p_main, p_cross], -1))
     single_xy = torch.stack([c1, torch.full_like(c1, -10.0)], 1)  # (n, 2, 2); no second shape
     centres = torch.where(two[:, None, None], pair_xy, single_xy)
-    # Colours: background and shapes apart by at least 0.35 in some channel.
+    # Colours: background and shapes apart by at least MIN_CONTRAST in some channel.
     bg = u[:, 14:17]
     fg = torch.stack([u[:, 17:20], u[:, 20:23]], 1)
-    far = (fg - bg[:, None]).abs().amax(-1, keepdim=True) >= 0.35
+    far = (fg - bg[:, None]).abs().amax(-1, keepdim=True) >= MIN_CONTRAST
     fg = torch.where(far, fg, (bg[:, None] + 0.5) % 1.0)
     tex = torch.stack([draw(4 * N_TEX)[:, i::4] for i in range(4)], -1)  # (n, N_TEX, 4): angle, freq, phase, amp
     return {"label": label, "kind": _KINDS[label], "centre": centres, "radius": r, "rotation": rot, "colour": fg, "background": bg, "texture": tex}
@@ -96,7 +106,7 @@ def _sdf(kind: Tensor, p: Tensor, r: Tensor) -> Tensor:
     circle = p.norm(dim=-1) - r
     square = torch.maximum(ax, ay) - r / math.sqrt(2)  # corners on the circle of radius r, at any rotation
     ring = (p.norm(dim=-1) - 0.8 * r).abs() - 0.22 * r
-    arm = 0.3 * r
+    arm = CROSS_ARM * r
     cross = torch.minimum(torch.maximum(ax - r, ay - arm), torch.maximum(ax - arm, ay - r))
     # Equilateral triangle of circumradius r: the max of the three edge half-planes.
     k = math.sqrt(3.0)
@@ -128,7 +138,7 @@ def render_shapes(params: dict, size: Tuple[int, int] | int, chunk: int = 1024) 
         ang, freq, phase, amp = (tex[..., i, None, None] for i in range(4))
         ang = ang * 2 * math.pi
         proj = pix[..., 0] * ang.cos() + pix[..., 1] * ang.sin()  # (m, T, H, W)
-        shade = (0.05 * amp * torch.sin(2 * math.pi * (1 + 2 * freq) * proj + 2 * math.pi * phase)).sum(1)  # (m, H, W)
+        shade = (TEXTURE_AMP * amp * torch.sin(2 * math.pi * (1 + 2 * freq) * proj + 2 * math.pi * phase)).sum(1)  # (m, H, W)
         img = (p["background"][:, :, None, None] + shade[:, None]).clamp(0, 1)  # (m, 3, H, W)
         for j in range(2):
             local = _rotate(pix[None] - p["centre"][:, j, None, None, :], p["rotation"][:, j])
