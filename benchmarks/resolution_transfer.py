@@ -16,8 +16,10 @@ resumed, and each run's rows are merged into OUT/results.json (and the report re
 so the study can be stopped and restarted at any point, across sessions.
 
 Convergence: a run has converged when its test top-1 rose by less than CONVERGED_POINTS over the last fifth of its
-epochs (the report marks the runs that did not). Sizes: each scale x training size rounded to a multiple of the
-patch size (coordinate routes) or of the token grid (patch route); aspect ratios at the training area.
+epochs. A run that has not is trained again from scratch with twice the epochs, up to --max-epochs (48: four times
+the recipe's 12), and the longest run is the one measured; the report marks rows that still had not converged.
+Sizes: each scale x training size rounded to a multiple of the patch size (coordinate routes) or of the token grid
+(patch route); aspect ratios at the training area.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import torch
 
 import vitpe
 from vitpe.checkpoint import checkpoint_config, load_checkpoint, model_from_checkpoint
-from vitpe.config import load_config
+from vitpe.config import apply_overrides, load_config
 from vitpe.coords import snap
 from vitpe.evaluation import DEFAULT_ASPECTS, dataset_of, evaluate_at
 from vitpe.runs import safe_name, train_or_reuse, write_csv
@@ -70,10 +72,15 @@ def parse_row(row: str) -> Tuple[str, str]:
     return pe, variant
 
 
+def study_config(data: str, args):
+    """The recipe of every row of ``data``: its study config with the overrides given for every run."""
+    return apply_overrides(load_config(str(args.config or CONFIGS[data])), args.set)
+
+
 def train_args(data: str, row: str, seed: int, args) -> List[str]:
     pe, variant = parse_row(row)
     config = args.config or CONFIGS[data]
-    cfg = load_config(str(config))
+    cfg = study_config(data, args)
     cmd = ["--config", str(config), "--pe", pe, "--set", f"train.seed={seed}"]
     if variant == "aug":
         cmd += ["--set", f"model.coord_aug={AUG}"]
@@ -83,6 +90,20 @@ def train_args(data: str, row: str, seed: int, args) -> List[str]:
     for item in args.set:
         cmd += ["--set", item]
     return cmd
+
+
+def train_converged(data: str, row: str, seed: int, args, runs: Path) -> Path:
+    """Train the row with the recipe's epochs; while its test top-1 is still moving, train it again from scratch with
+    twice the epochs (a new cosine schedule; the shorter run is kept), up to ``args.max_epochs``."""
+    epochs = study_config(data, args).train.epochs
+    while True:
+        name = f"{data}-{row}-seed{seed}" + ("" if epochs == study_config(data, args).train.epochs else f"-e{epochs}")
+        run = train_or_reuse(runs / safe_name(name), [*train_args(data, row, seed, args), "--set", f"train.epochs={epochs}"],
+                             f"{data} {row} seed {seed}, {epochs} epochs")
+        if convergence(load_checkpoint(run)["metrics"])["converged"] or 2 * epochs > args.max_epochs:
+            return run
+        print(f"[{data} {row} seed {seed}] still moving after {epochs} epochs: training {2 * epochs}")
+        epochs *= 2
 
 
 def convergence(metrics: List[Dict]) -> Dict:
@@ -254,18 +275,29 @@ def report(rows: List[Dict], out: Path) -> None:
     (out / "table.md").write_text("\n".join(lines))
 
 
+def grid_entropy(r: Dict, group: Dict) -> Optional[float]:
+    """The last layer's attention entropy in training-grid units: nats minus log(keys / keys at 1x). An attention that
+    keeps its pattern in the image when the grid gets denser keeps this value; one that concentrates (the entropy
+    collapse the 2025-26 extrapolation studies describe) lowers it, one that spreads raises it."""
+    one = group.get((r["data"], r["row"], r["label"], "1x"))
+    if not r.get("attn_entropy") or not one:
+        return None
+    return r["attn_entropy"][-1] - math.log(r["tokens_per_image"] / one[0]["tokens_per_image"])
+
+
 def attention_table(sub: List[Dict], group: Dict, data: str, columns: List[str]) -> List[str]:
-    """Last layer's attention entropy (over log keys) and distance (in patches), interpolate mode, mean over seeds."""
-    lines = [f"### {data}: last layer's attention, interpolate mode (normalised entropy / mean distance in training-grid cells)", "",
+    """Last layer's attention entropy (training-grid units) and distance (training-grid cells), interpolate mode."""
+    lines = [f"### {data}: last layer's attention, interpolate mode (entropy in nats minus log(keys / keys at 1x) / mean distance "
+             "in training-grid cells; mean over heads, seeds and 32 images)", "",
              "| row | " + " | ".join(columns) + " |", "| --- | " + " | ".join("---:" for _ in columns) + " |"]
     for row in dict.fromkeys(r["row"] for r in sub):
         out = []
         for c in columns:
-            g = [r for r in group.get((data, row, "interpolate", c), []) if r.get("attn_entropy_norm")]
+            g = [r for r in group.get((data, row, "interpolate", c), []) if grid_entropy(r, group) is not None]
             if not g:
                 out.append("-")
                 continue
-            ent = statistics.fmean(r["attn_entropy_norm"][-1] for r in g)
+            ent = statistics.fmean(grid_entropy(r, group) for r in g)
             dist = statistics.fmean(r["attn_distance_ref"][-1] for r in g)
             out.append(f"{ent:.2f} / {dist:.1f}")
         lines.append(f"| {row} | " + " | ".join(out) + " |")
@@ -283,13 +315,13 @@ def curve(group: Dict, data: str, row: str, value) -> List[Tuple[float, float]]:
 
 
 def plot(sub: List[Dict], group: Dict, data: str, out: Path) -> None:
-    """DATA.png: top-1 against scale, one panel per variant; DATA_attention.png: the last layer's attention."""
+    """DATA.png: top-1 against scale, one panel per variant; DATA_attention.png: the last layer's attention (plain rows)."""
     from vitpe.viz import pyplot
 
     plt = pyplot()
     panels = [("plain", "top-1 (%)", lambda r: 100 * r["top1"]), ("aug", "top-1 (%)", lambda r: 100 * r["top1"]),
               ("multires", "top-1 (%)", lambda r: 100 * r["top1"])]
-    attention = [("plain", "last layer: attention entropy / log(keys)", lambda r: (r.get("attn_entropy_norm") or [None])[-1]),
+    attention = [("plain", "last layer: attention entropy - log(keys / keys at 1x) (nats)", lambda r: grid_entropy(r, group)),
                  ("plain", "last layer: mean attention distance (training-grid cells)", lambda r: (r.get("attn_distance_ref") or [None])[-1])]
     for name, spec in ((f"{data}.png", panels), (f"{data}_attention.png", attention)):
         fig, axes = plt.subplots(1, len(spec), figsize=(6.5 * len(spec), 5.5))
@@ -319,6 +351,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", nargs="+", help="study rows (default: every family, plain, :aug and :multires)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--config", help="one config for every dataset instead of configs/study_DATA.yaml")
+    p.add_argument("--max-epochs", type=int, default=48, help="a row still moving is retrained with twice the epochs, up to this")
     p.add_argument("--eval-size", type=int, default=1000, help="test images per evaluation")
     p.add_argument("--diagnostics", type=int, default=32, help="test images for the attention diagnostics (0: off)")
     p.add_argument("--set", action="append", default=[], help="extra config override for every run")
@@ -328,6 +361,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.data, args.config, args.eval_size, args.seeds, args.diagnostics = ["shapes"], ROOT / "configs" / "tiny.yaml", 32, [0], 4
+        args.max_epochs = min(args.max_epochs, 2)
         args.rows = args.rows or ["learned", "rope_axial:multires"]
         args.set = args.set + ["train.epochs=1"]
     out = Path(args.out)
@@ -342,7 +376,7 @@ def main(argv=None) -> int:
         parse_row(row)  # every row checked before the first run starts
     started = time.time()
     for data, row, seed in todo:
-        run = train_or_reuse(out / "runs" / safe_name(f"{data}-{row}-seed{seed}"), train_args(data, row, seed, args), f"{data} {row} seed {seed}")
+        run = train_converged(data, row, seed, args, out / "runs")
         epochs = {r["epochs"] for r in results if (r["data"], r["row"], r["seed"]) == (data, row, seed)}
         if epochs == {load_checkpoint(run)["epoch"]}:
             continue  # measured before, on this checkpoint
