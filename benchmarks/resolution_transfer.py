@@ -207,6 +207,11 @@ def drop(group: Dict, data: str, row: str, label: str, column: str) -> Optional[
     return statistics.fmean(diffs) if diffs else None
 
 
+def points(change: Optional[float]) -> str:
+    """A change in points for the tables: a 0.0 change is a number, a missing one is '-'."""
+    return "-" if change is None else f"{change:+.1f}"
+
+
 def best_rows(rows: List[Dict], data: str, floor: float) -> List[Tuple[float, str, str, float]]:
     """(loss at 2x, row, label, top-1 at 1x) on the coordinate routes, for rows at least ``floor`` at 1x, best first."""
     group = cells(rows)
@@ -253,7 +258,7 @@ def report(rows: List[Dict], out: Path) -> None:
                 star = "" if all(s["converged"] for s in run_info[row].values()) else " *"
                 deltas = [drop(group, data, row, label, c) for c in ("2x", "4x")]
                 lines.append(f"| {row}{star} | " + " | ".join(fmt(group.get((data, row, label, c))) for c in columns) + " | "
-                             + " | ".join("-" if d is None else f"{d:+.1f}" for d in deltas) + " |")
+                             + " | ".join(points(d) for d in deltas) + " |")
             lines.append("")
         lines += attention_table(sub, group, data, columns)
         lines += [f"### {data}: the literature's orderings (interpolate mode, change from 1x in points)", ""]
@@ -268,8 +273,8 @@ def report(rows: List[Dict], out: Path) -> None:
         floor = 0.95 if data == "shapes" else 0.90
         best = best_rows(rows, data, floor)
         lines += ["", f"### {data}: smallest loss at 2x among rows at least {100 * floor:.0f}% at 1x (coordinate route)", ""]
-        lines += [f"- {row} ({label}): {100 * one:.1f}% at 1x, {d:+.1f} at 2x, "
-                  f"{(drop(group, data, row, label, '4x') or float('nan')):+.1f} at 4x" for d, row, label, one in best[:5]] or ["- none yet"]
+        lines += [f"- {row} ({label}): {100 * one:.1f}% at 1x, {d:+.1f} at 2x, {points(drop(group, data, row, label, '4x'))} at 4x"
+                  for d, row, label, one in best[:5]] or ["- none yet"]
         lines.append("")
         plot(sub, group, data, out)
     (out / "table.md").write_text("\n".join(lines))

@@ -44,6 +44,20 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned"]) == 0
     assert "reusing finished run" in capsys.readouterr().out
     assert json.loads((tmp_path / "results.json").read_text()) == rows
+    assert "nan" not in (tmp_path / "table.md").read_text()
+
+
+def test_resolution_transfer_report_keeps_a_zero_change(tmp_path):
+    # A row that keeps its accuracy at 2x and 4x is the best result the study can report: "+0.0", never "nan".
+    study = load("resolution_transfer")
+    rows = [{"data": "shapes", "row": "sincos2d:multires", "pe": "sincos2d", "variant": "multires", "seed": 0,
+             "train_size": 32, "epochs": 12, "converged": True, "train_wall_s": 60.0, "label": "interpolate",
+             "route": "coords", "coord_mode": "interpolate", "rope_scaling": "none", "column": c, "scale": k,
+             "height": round(32 * k), "width": round(32 * k), "top1": 1.0, "tokens_per_image": round(8 * k) ** 2}
+            for c, k in (("1x", 1), ("2x", 2), ("4x", 4))]
+    study.report(rows, tmp_path)
+    table = (tmp_path / "table.md").read_text()
+    assert "- sincos2d:multires (interpolate): 100.0% at 1x, +0.0 at 2x, +0.0 at 4x" in table and "nan" not in table
     assert study.main(["--report", "--out", str(tmp_path)]) == 0 and (tmp_path / "table.md").read_text() == table
     with pytest.raises(SystemExit, match="unknown study row 'none:aug'"):
         study.main(["--smoke", "--out", str(tmp_path), "--rows", "none:aug"])
