@@ -30,7 +30,7 @@ from vitpe.checkpoint import checkpoint_config, load_checkpoint
 from vitpe.config import load_config
 from vitpe.data import load_dataset
 from vitpe.runs import safe_name, train_or_reuse, write_csv
-from vitpe.training import REFERENCE_FILE, recipe_of
+from vitpe.training import REFERENCE_FILE, position_top1, recipe_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,7 @@ def write_reference(rows: List[Dict], path: Path) -> None:
         entry = results.setdefault(r["pe"], {"seeds": [], "top1": [], "position_top1": [], "train_wall_s": []})
         entry["seeds"].append(r["seed"])
         entry["top1"].append(round(r["top1"], 4))
-        entry["position_top1"].append(round(statistics.fmean(per[c] for c in position), 4) if position else None)
+        entry["position_top1"].append(round(position_top1(per, position), 4) if position else None)
         entry["train_wall_s"].append(round(r["train_wall_s"], 1))
     recipe = recipe_of(cfg)
     entries = json.loads(path.read_text()) if path.is_file() else []
@@ -164,9 +164,9 @@ def main(argv=None) -> int:
         for pe in args.pes or ["none", "rope_mixed"]:
             jobs += [(suite, "shapes", pe, s, [*SMOKE, "--pe", pe]) for s in (0, 1)]
     elif args.suite == "main":  # the config's own PE and the same recipe without one
-        own = load_config(args.config).model.pos_embed
-        for pe in args.pes or list(dict.fromkeys([own, "none"])):
-            jobs += [("main", load_config(args.config).data.name, pe, s, ["--config", args.config, "--pe", pe]) for s in args.seeds]
+        main_cfg = load_config(args.config)
+        for pe in args.pes or list(dict.fromkeys([main_cfg.model.pos_embed, "none"])):
+            jobs += [("main", main_cfg.data.name, pe, s, ["--config", args.config, "--pe", pe]) for s in args.seeds]
     elif args.suite == "fmnist":
         jobs = [("fmnist", "fashion_mnist", "", s, ["--config", args.config]) for s in args.seeds]
     else:

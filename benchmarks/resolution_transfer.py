@@ -51,6 +51,7 @@ VARIANTS = ("", "aug", "multires")
 NO_COORDS = ("none", "peg")  # they read no coordinates: one coordinate mode, no coordinate augmentation
 ROPE_CONTROLS = ("ntk", "yarn")
 CONVERGED_POINTS = 0.3
+TARGET_FLOOR = {"shapes": 0.95, "fashion_mnist": 0.90}  # the issue's targets hold from this top-1 at 1x
 # The literature's orderings this study checks: (better, worse, scale, source).
 ORDERINGS = (
     ("cpb", "rel_bias", 2.0, "Swin-V2: log-spaced CPB transfers better than the interpolated Swin bias table"),
@@ -95,9 +96,9 @@ def train_args(data: str, row: str, seed: int, args) -> List[str]:
 def train_converged(data: str, row: str, seed: int, args, runs: Path) -> Path:
     """Train the row with the recipe's epochs; while its test top-1 is still moving, train it again from scratch with
     twice the epochs (a new cosine schedule; the shorter run is kept), up to ``args.max_epochs``."""
-    epochs = study_config(data, args).train.epochs
+    epochs = recipe_epochs = study_config(data, args).train.epochs
     while True:
-        name = f"{data}-{row}-seed{seed}" + ("" if epochs == study_config(data, args).train.epochs else f"-e{epochs}")
+        name = f"{data}-{row}-seed{seed}" + ("" if epochs == recipe_epochs else f"-e{epochs}")
         run = train_or_reuse(runs / safe_name(name), [*train_args(data, row, seed, args), "--set", f"train.epochs={epochs}"],
                              f"{data} {row} seed {seed}, {epochs} epochs")
         if convergence(load_checkpoint(run)["metrics"])["converged"] or 2 * epochs > args.max_epochs:
@@ -112,7 +113,7 @@ def convergence(metrics: List[Dict]) -> Dict:
     back = max(1, round(len(top1) / 5))
     gain = 100 * (top1[-1] - top1[-1 - back]) if len(top1) > back else float("nan")
     return {"epochs": len(top1), "last_fifth_gain_points": round(gain, 2), "converged": bool(gain < CONVERGED_POINTS),
-            "train_top1": metrics[-1].get("test_top1"), "train_acc": metrics[-1].get("train_acc"),
+            "last_epoch_test_top1": metrics[-1].get("test_top1"), "train_acc": metrics[-1].get("train_acc"),
             "train_wall_s": round(metrics[-1].get("wall_s", float("nan")), 1)}
 
 
@@ -190,10 +191,11 @@ def column_order(column: str) -> Tuple[int, float, str]:
         return 1, 0.0, column
 
 
-def fmt(group: Optional[List[Dict]], key: str = "top1", scale: float = 100.0) -> str:
+def fmt(group: Optional[List[Dict]]) -> str:
+    """Top-1 % of a cell: mean ± sd over seeds (the mean alone for one seed)."""
     if not group:
         return "-"
-    m, sd = mean_sd([scale * g[key] for g in group])
+    m, sd = mean_sd([100 * g["top1"] for g in group])
     return f"{m:.1f}" if math.isnan(sd) else f"{m:.1f} ± {sd:.1f}"
 
 
@@ -270,7 +272,7 @@ def report(rows: List[Dict], out: Path) -> None:
                 continue
             verdict = "confirmed" if a > b else "contradicted"
             lines.append(f"- {source}: {better} {a:+.1f} vs {worse} {b:+.1f} at {col}: {verdict}")
-        floor = 0.95 if data == "shapes" else 0.90
+        floor = TARGET_FLOOR[data]
         best = best_rows(rows, data, floor)
         lines += ["", f"### {data}: smallest loss at 2x among rows at least {100 * floor:.0f}% at 1x (coordinate route)", ""]
         lines += [f"- {row} ({label}): {100 * one:.1f}% at 1x, {d:+.1f} at 2x, {points(drop(group, data, row, label, '4x'))} at 4x"
@@ -293,7 +295,7 @@ def grid_entropy(r: Dict, group: Dict) -> Optional[float]:
 def attention_table(sub: List[Dict], group: Dict, data: str, columns: List[str]) -> List[str]:
     """Last layer's attention entropy (training-grid units) and distance (training-grid cells), interpolate mode."""
     lines = [f"### {data}: last layer's attention, interpolate mode (entropy in nats minus log(keys / keys at 1x) / mean distance "
-             "in training-grid cells; mean over heads, seeds and 32 images)", "",
+             "in training-grid cells; mean over heads, seeds and the first --diagnostics test images)", "",
              "| row | " + " | ".join(columns) + " |", "| --- | " + " | ".join("---:" for _ in columns) + " |"]
     for row in dict.fromkeys(r["row"] for r in sub):
         out = []

@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -227,6 +227,11 @@ def reference_results(cfg: Config, path: Optional[Path] = None) -> Optional[Dict
     return next((e for e in entries if e.get("recipe") == recipe), None)
 
 
+def position_top1(per_class: List[float], position: Sequence[int]) -> float:
+    """Mean per-class top-1 over the classes that only position tells apart."""
+    return statistics.fmean(per_class[c] for c in position)
+
+
 def learned_lines(row: Dict[str, Any], ds, cfg: Config, reference: Optional[Dict[str, Any]] = None) -> List[str]:
     """What a finished run learned, in its data's terms: on data whose classes differ only in where things are, their
     top-1 beside the others', and the same recipe without a PE as measured (``reference``), when there is one."""
@@ -234,7 +239,7 @@ def learned_lines(row: Dict[str, Any], ds, cfg: Config, reference: Optional[Dict
     per = row.get("test_per_class_top1")
     if not position or not per:
         return []
-    at = statistics.fmean(per[c] for c in position)
+    at = position_top1(per, position)
     rest = statistics.fmean(per[c] for c in range(len(per)) if c not in position)
     lines = [f"learned: {100 * at:.1f}% on the {len(position)} classes only position tells apart "
              f"({', '.join(ds.classes[c] for c in position)}; without position a model cannot beat {100 / len(position):.0f}% on them), "
