@@ -11,13 +11,14 @@ route and the RoPE extrapolation controls, with each layer's attention distance 
 
 A row is a family name, or ``FAMILY:aug`` (``model.coord_aug`` = AUG below, a draw per image) or ``FAMILY:multires``
 (``train.resolution_range`` = half to twice the training size). The recipe of every row of a dataset is one config,
-``configs/study_DATA.yaml``. Runs go to OUT/runs/DATA-ROW-seedS: a finished run is reused and an interrupted one
-resumed, and each run's rows are merged into OUT/results.json (and the report rewritten) as soon as it is measured,
-so the study can be stopped and restarted at any point, across sessions.
+``configs/study_DATA.yaml``. Runs go to OUT/runs/DATA-ROW-seedS-eEPOCHS: a finished run is reused and an interrupted
+one resumed (one trained with another config than asked for is refused, never reused), and each run's rows are
+merged into OUT/results.json (and the report rewritten) as soon as it is measured, so the study can be stopped and
+restarted at any point, across sessions.
 
 Convergence: a run has converged when its test top-1 rose by less than CONVERGED_POINTS over the last fifth of its
-epochs. A run that has not is trained again from scratch with twice the epochs, up to --max-epochs (48: four times
-the recipe's 12), and the longest run is the one measured; the report marks rows that still had not converged.
+epochs. A run that has not is trained again from scratch with twice the epochs, up to --max-epochs (48: twice
+the recipe's 24), and the longest run is the one measured; the report marks rows that still had not converged.
 Sizes: each scale x training size rounded to a multiple of the patch size (coordinate routes) or of the token grid
 (patch route); aspect ratios at the training area.
 """
@@ -96,9 +97,9 @@ def train_args(data: str, row: str, seed: int, args) -> List[str]:
 def train_converged(data: str, row: str, seed: int, args, runs: Path) -> Path:
     """Train the row with the recipe's epochs; while its test top-1 is still moving, train it again from scratch with
     twice the epochs (a new cosine schedule; the shorter run is kept), up to ``args.max_epochs``."""
-    epochs = recipe_epochs = study_config(data, args).train.epochs
+    epochs = study_config(data, args).train.epochs
     while True:
-        name = f"{data}-{row}-seed{seed}" + ("" if epochs == recipe_epochs else f"-e{epochs}")
+        name = f"{data}-{row}-seed{seed}-e{epochs}"  # the epochs in the name: a run is never taken for a longer one
         run = train_or_reuse(runs / safe_name(name), [*train_args(data, row, seed, args), "--set", f"train.epochs={epochs}"],
                              f"{data} {row} seed {seed}, {epochs} epochs")
         if convergence(load_checkpoint(run)["metrics"])["converged"] or 2 * epochs > args.max_epochs:

@@ -22,7 +22,7 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     assert study.main(["--smoke", "--out", str(tmp_path)]) == 0
     # One epoch cannot show convergence: each row is trained again with twice the epochs (the smoke's --max-epochs 2).
     assert "[shapes learned seed 0] still moving after 1 epochs: training 2" in capsys.readouterr().out
-    assert {p.name for p in (tmp_path / "runs").iterdir()} >= {"shapes-learned-seed0", "shapes-learned-seed0-e2"}
+    assert {p.name for p in (tmp_path / "runs").iterdir()} >= {"shapes-learned-seed0-e1", "shapes-learned-seed0-e2"}
     rows = json.loads((tmp_path / "results.json").read_text())
     assert {r["row"] for r in rows} == {"learned", "rope_axial:multires"} and {r["seed"] for r in rows} == {0}
     columns = {"0.5x", "0.75x", "1x", "1.5x", "2x", "3x", "4x", "12x24", "24x12"}  # tiny.yaml trains at 16 px
@@ -45,6 +45,10 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     assert "reusing finished run" in capsys.readouterr().out
     assert json.loads((tmp_path / "results.json").read_text()) == rows
     assert "nan" not in (tmp_path / "table.md").read_text()
+    # The recipe changed since (here its learning rate): the runs trained with the old one are refused, not reused.
+    with pytest.raises(SystemExit, match=r"shapes-learned-seed0-e1 was trained with another config than this study asks "
+                                         r"for \(train.lr: 0.001 -> 0.0123\): move it away"):
+        study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned", "--set", "train.lr=0.0123"])
 
 
 def test_resolution_transfer_report_keeps_a_zero_change(tmp_path):

@@ -340,3 +340,20 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(base, tmp_path,
     monkeypatch.setattr(sys, "argv", ["eval.py", str(base), "--resolutions", "16", "--out", str(tmp_path / "ev")])
     assert eval_script.cli() == 1
     assert "No space left on device" in capsys.readouterr().err and not (tmp_path / "ev").exists()
+
+
+def test_a_study_reuses_a_run_only_when_its_config_is_the_one_asked_for():
+    from vitpe.config import load_config
+    from vitpe.runs import config_changes
+
+    stored = load_config(TINY).to_dict()
+    asked = json.loads(json.dumps(stored))
+    asked["name"], asked["out_dir"] = "elsewhere", "/tmp/x"  # where a run lives is not what it trained
+    assert config_changes(stored, asked) == []
+    asked["train"]["lr"], asked["model"]["coord_aug"] = 0.5, {"shift": 1.0}
+    assert config_changes(stored, asked) == [f"model.coord_aug: {stored['model']['coord_aug']!r} -> {{'shift': 1.0}}",
+                                             f"train.lr: {stored['train']['lr']!r} -> 0.5"]
+    # A train.budget_min run records the epochs its budget allowed: a different count is its own decision, not a change.
+    stored["train"]["budget_min"] = asked["train"]["budget_min"] = 3.0
+    stored["train"]["epochs"], asked["train"]["lr"], asked["model"]["coord_aug"] = 7, stored["train"]["lr"], stored["model"]["coord_aug"]
+    assert config_changes(stored, asked) == []

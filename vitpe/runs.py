@@ -7,11 +7,11 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from .errors import VitpeError
 
-__all__ = ["RunError", "safe_name", "create_run_dir", "RunLock", "write_metrics", "write_csv", "pid_alive", "train_or_reuse"]
+__all__ = ["RunError", "safe_name", "create_run_dir", "RunLock", "write_metrics", "write_csv", "pid_alive", "config_changes", "train_or_reuse"]
 
 LOCK_NAME = ".lock"
 
@@ -102,17 +102,42 @@ def write_metrics(run: Path, rows: List[dict]) -> None:
     write_csv(rows, run / "metrics.csv")
 
 
+def config_changes(stored: Dict[str, Any], wanted: Dict[str, Any], prefix: str = "") -> List[str]:
+    """``key: stored -> wanted`` for every config value (nested dicts flattened to dotted keys) that differs; the run's
+    name and place are not part of what it trained, and a ``train.budget_min`` run's epochs are its budget's decision."""
+    out = []
+    for key in dict.fromkeys([*stored, *wanted]):
+        dotted, a, b = prefix + key, stored.get(key), wanted.get(key)
+        if dotted in ("name", "out_dir") or (dotted == "train.epochs" and wanted.get("budget_min") is not None):
+            continue
+        if isinstance(a, dict) and isinstance(b, dict) and dotted.count(".") == 0:  # a section: model, data, train
+            out += config_changes(a, b, dotted + ".")
+        elif a != b:
+            out.append(f"{dotted}: {a!r} -> {b!r}")
+    return out
+
+
 def train_or_reuse(run: Path, args: List[str], label: str) -> Path:
     """What the hand-run studies share: train ``train.py ARGS --out-dir run.parent --name run.name`` once; a
-    finished run is reused and an interrupted one resumed, so a study stopped half-way continues where it stopped."""
-    from .checkpoint import checkpoint_config, load_checkpoint
+    finished run is reused and an interrupted one resumed, so a study stopped half-way continues where it stopped.
+    A run trained with another config than ARGS give (the study's recipe changed since) is refused, never reused."""
+    from .checkpoint import CHECKPOINT_NAME, checkpoint_config, load_checkpoint
+    from .config import load_config
     from .training import main as train_main
+    from .training import parse_args, resolve_config
 
-    if (run / "checkpoint.pt").is_file():
-        state = load_checkpoint(run)
-        if state["epoch"] >= checkpoint_config(state).train.epochs:
-            print(f"[{label}] reusing finished run {run}")
-            return run
+    wanted = resolve_config(parse_args([*args, "--out-dir", str(run.parent), "--name", run.name]))
+    state = load_checkpoint(run) if (run / CHECKPOINT_NAME).is_file() else None
+    if state is not None or (run / "config.yaml").is_file():
+        stored = checkpoint_config(state) if state is not None else load_config(str(run / "config.yaml"))
+        changes = config_changes(stored.to_dict(), wanted.to_dict())
+        if changes:
+            raise SystemExit(f"run {run} was trained with another config than this study asks for ({'; '.join(changes)}): "
+                           "move it away to train it again, or give the study another output directory")
+    if state is not None and state["epoch"] >= stored.train.epochs:
+        print(f"[{label}] reusing finished run {run}")
+        return run
+    if state is not None or (run / "config.yaml").is_file():  # stopped before its first checkpoint: resumed at step 0
         print(f"[{label}] resuming {run}")
         rc = train_main(["--resume", str(run)])
     else:
