@@ -357,3 +357,17 @@ def test_a_study_reuses_a_run_only_when_its_config_is_the_one_asked_for():
     stored["train"]["budget_min"] = asked["train"]["budget_min"] = 3.0
     stored["train"]["epochs"], asked["train"]["lr"], asked["model"]["coord_aug"] = 7, stored["train"]["lr"], stored["model"]["coord_aug"]
     assert config_changes(stored, asked) == []
+
+
+def test_a_study_run_killed_before_its_first_checkpoint_is_resumed_and_one_from_another_recipe_refused(tmp_path, capsys):
+    from vitpe.config import apply_overrides, load_config, save_config
+    from vitpe.runs import train_or_reuse
+
+    run = tmp_path / "study-row-seed0"
+    run.mkdir()  # what a kill in the first epoch leaves: the directory and its config, no checkpoint
+    save_config(apply_overrides(load_config(TINY), [f"name={run.name}", f"out_dir={tmp_path}"]), run / "config.yaml")
+    assert train_or_reuse(run, ["--config", TINY], "row") == run
+    assert "resuming" in capsys.readouterr().out and load_checkpoint(run)["epoch"] == 2
+    assert train_or_reuse(run, ["--config", TINY], "row") == run and "reusing finished run" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"another config than this study asks for \(model.pos_embed: 'sincos2d' -> 'rope_axial'\)"):
+        train_or_reuse(run, ["--config", TINY, "--pe", "rope_axial"], "row")
