@@ -110,7 +110,7 @@ def config_changes(stored: Dict[str, Any], wanted: Dict[str, Any], prefix: str =
         dotted, a, b = prefix + key, stored.get(key), wanted.get(key)
         if dotted in ("name", "out_dir") or (dotted == "train.epochs" and wanted.get("budget_min") is not None):
             continue
-        if isinstance(a, dict) and isinstance(b, dict) and dotted.count(".") == 0:  # a section: model, data, train
+        if not prefix and isinstance(a, dict) and isinstance(b, dict):  # a section: model, data, train
             out += config_changes(a, b, dotted + ".")
         elif a != b:
             out.append(f"{dotted}: {a!r} -> {b!r}")
@@ -128,16 +128,19 @@ def train_or_reuse(run: Path, args: List[str], label: str) -> Path:
 
     wanted = resolve_config(parse_args([*args, "--out-dir", str(run.parent), "--name", run.name]))
     state = load_checkpoint(run) if (run / CHECKPOINT_NAME).is_file() else None
-    if state is not None or (run / "config.yaml").is_file():
-        stored = checkpoint_config(state) if state is not None else load_config(str(run / "config.yaml"))
+    stored = None
+    if state is not None:
+        stored = checkpoint_config(state)
+    elif (run / "config.yaml").is_file():  # stopped before its first checkpoint: it resumes at step 0
+        stored = load_config(str(run / "config.yaml"))
+    if stored is not None:
         changes = config_changes(stored.to_dict(), wanted.to_dict())
         if changes:
             raise SystemExit(f"run {run} was trained with another config than this study asks for ({'; '.join(changes)}): "
-                           "move it away to train it again, or give the study another output directory")
-    if state is not None and state["epoch"] >= stored.train.epochs:
-        print(f"[{label}] reusing finished run {run}")
-        return run
-    if state is not None or (run / "config.yaml").is_file():  # stopped before its first checkpoint: resumed at step 0
+                             "move it away to train it again, or give the study another output directory")
+        if state is not None and state["epoch"] >= stored.train.epochs:
+            print(f"[{label}] reusing finished run {run}")
+            return run
         print(f"[{label}] resuming {run}")
         rc = train_main(["--resume", str(run)])
     else:
