@@ -272,6 +272,9 @@ def report(rows: List[Dict], out: Path) -> None:
                 lines.append(f"- {source}: not measured yet")
                 continue
             verdict = "confirmed" if a > b else "contradicted"
+            moving = [r for r in (better, worse) if not all(s["converged"] for s in run_info.get(r, {}).values())]
+            if moving:  # an unfinished model ranks how fast it learns as much as how it transfers
+                verdict += f" for now ({' and '.join(moving)} had not converged)"
             lines.append(f"- {source}: {better} {a:+.1f} vs {worse} {b:+.1f} at {col}: {verdict}")
         floor = TARGET_FLOOR[data]
         best = best_rows(rows, data, floor)

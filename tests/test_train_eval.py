@@ -360,6 +360,21 @@ def test_new_families_train_and_evaluate_with_rope_extrapolation(tmp_path, pe, c
     assert all(0 <= r["top1"] <= 1 for r in rows)
 
 
+@pytest.mark.parametrize("pe,error", [("lookhere", None), ("sincos2d", "no lookhere positional encoding")])
+def test_eval_sets_lookhere_slope_or_refuses_a_model_without_lookhere(tmp_path, pe, error):
+    assert train(tmp_path, "run", "--set", f"model.pos_embed={pe}", "--set", "train.epochs=1") == 0
+    args = [str(tmp_path / "run"), "--resolutions", "32", "--lookhere-slope", "2", "--out", str(tmp_path / "ev")]
+    if error:
+        with pytest.raises(ConfigError, match=error):
+            eval_script.main(args)
+        return
+    assert eval_script.main(args) == 0
+    rows = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert rows[0]["lookhere_slope"] == 2.0 and "[lookhere slope 2]" in rows[0]["label"]
+    with pytest.raises(SystemExit):  # argparse: a slope must be a positive number
+        eval_script.main([*args[:-2], "--lookhere-slope", "0"])
+
+
 class EveryStep(train_script.Heartbeat):
     """A log line at every tick (the real one waits a minute)."""
 

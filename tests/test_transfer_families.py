@@ -8,7 +8,7 @@ import torch
 
 import vitpe
 from vitpe.pos_embed import functional as PF
-from vitpe.pos_embed import set_rope_extrapolation
+from vitpe.pos_embed import set_lookhere_slope, set_rope_extrapolation
 
 ROTARY = ["rope_axial", "rope_mixed", "rope_golden", "string", "liere", "comrope"]
 RELATIVE = [("rope_golden", {}), ("string", {}), ("comrope", {"variant": "ld"}), ("comrope", {"variant": "ap"}), ("liere", {"block_size": 2})]
@@ -290,3 +290,27 @@ def test_set_rope_extrapolation_on_a_trained_model_drops_cached_rotations():
         set_rope_extrapolation(plain, "yarn")
     with pytest.raises(ValueError, match="unknown rope scaling 'yarm'"):
         set_rope_extrapolation(model, "yarm")
+
+
+def test_lookhere_slope_k_at_k_times_the_grid_in_interpolate_mode_is_extrapolate_mode():
+    model = vitpe.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=3,
+                                    pos_embed="lookhere", coord_mode="extrapolate").eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        extrapolated = model(x)
+        model.coord_mode = "interpolate"
+        interpolated = model(x)
+        assert not torch.allclose(interpolated, extrapolated)  # distances in reference patches: half the penalties
+        assert set_lookhere_slope(model, 2.0) == ["lookhere"]
+        torch.testing.assert_close(model(x), extrapolated)
+        set_lookhere_slope(model, 1.0)
+        torch.testing.assert_close(model(x), interpolated)
+        combined = vitpe.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=3,
+                                           pos_embed="learned+lookhere").eval()
+        before = combined(x)
+        assert set_lookhere_slope(combined, 3.0) == ["lookhere"]
+        assert not torch.allclose(combined(x), before)  # the combination's cached biases were dropped
+    with pytest.raises(ValueError, match="no lookhere positional encoding"):
+        set_lookhere_slope(vitpe.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2), 2.0)
+    with pytest.raises(ValueError, match="must be positive"):
+        set_lookhere_slope(model, 0.0)

@@ -33,7 +33,7 @@ from vitpe.data import load_dataset
 from vitpe.data.augment import TTA_MODES, normalize
 from vitpe.engine import amp_dtype, autocast, evaluate, evaluate_native, resolve_device
 from vitpe.errors import run_cli
-from vitpe.pos_embed import set_rope_extrapolation
+from vitpe.pos_embed import set_lookhere_slope, set_rope_extrapolation
 from vitpe.pos_embed.functional import ROPE_SCALINGS
 from vitpe.runs import write_csv
 
@@ -68,6 +68,17 @@ def positive_int(text: str) -> int:
     return whole_number(text, 1)
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def count(text: str) -> int:
     return whole_number(text, 0)
 
@@ -88,6 +99,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         "they act where extrapolate-mode coordinates go beyond the trained extent")
     p.add_argument("--p-rope", type=float, metavar="FRACTION",
                    help="leave this fraction of each head's lowest RoPE frequencies unrotated (p-RoPE; default: as trained)")
+    p.add_argument("--lookhere-slope", type=positive_float, metavar="SLOPE",
+                   help="LookHere's global slope, the factor of its distance penalties (default: as trained, 1); k at k "
+                        "times the training size in interpolate mode gives extrapolate mode's penalties")
     p.add_argument("--route", choices=["coords", "patch", "both"], default="coords",
                    help="meet a new resolution with new coordinates on a new token grid (coords), or by resizing the "
                         "patch embedding to keep the trained grid (patch: FlexiViT's PI-resize)")
@@ -314,6 +328,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             except ValueError as e:
                 raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
             controls += "".join(f" [{k} {v}]" for k, v in (("rope", args.rope_scaling), ("p-rope", args.p_rope)) if v is not None)
+        if args.lookhere_slope is not None:
+            try:
+                set_lookhere_slope(model, args.lookhere_slope)
+            except ValueError as e:
+                raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
+            controls += f" [lookhere slope {args.lookhere_slope:g}]"
         dtype = amp_dtype(cfg.train.amp, device)
         variants = [(m, r) for r in routes for m in (modes if r == "coords" else modes[:1])]  # patch route: the trained grid
         for mode, route in variants:
@@ -325,7 +345,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             plan = [(mode, route, hw) for hw in sizes] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
             for row in evaluate_at(model, ds, plan, device, dtype, args.batch_size, label, args.tta, args.diagnostics):
                 rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": name,
-                             "rope_scaling": args.rope_scaling, "p_rope": args.p_rope, "chance": 1 / ds.num_classes,
+                             "rope_scaling": args.rope_scaling, "p_rope": args.p_rope, "lookhere_slope": args.lookhere_slope, "chance": 1 / ds.num_classes,
                              "weights": "ema" if state.get("ema") is not None and not args.no_ema else "raw",
                              "train_size": train_size, "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
                 if not sys.stdout.isatty():  # a log (nohup, a cluster job): a line per result, not silence until the table

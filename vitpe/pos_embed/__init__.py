@@ -17,7 +17,7 @@ from .functional import (
     sincos_1d,
     sincos_2d,
 )
-from .registry import CombinedPosEmbed, build_pos_embed, list_pos_embeds, pos_embed_options, register_pos_embed, set_rope_extrapolation
+from .registry import CombinedPosEmbed, build_pos_embed, list_pos_embeds, pos_embed_options, register_pos_embed, set_lookhere_slope, set_rope_extrapolation
 
 # Importing the families registers them; the order here is the order list_pos_embeds() reports.
 from .additive import FourierPosEmbed, LearnedFourierPosEmbed, LearnedPosEmbed, NoPosEmbed, SinCos2d

@@ -161,12 +161,28 @@ class LookHere(PosEmbed):
             raise ValueError(f"lookhere fov must be in (0, 360] degrees, got {fov}")
         if len(layer_slopes) != 2:
             raise ValueError(f"lookhere layer_slopes must be (first block, last block), got {layer_slopes!r}")
-        self.fov, self.global_slope, self.layer_slopes = float(fov), float(global_slope), tuple(float(s) for s in layer_slopes)
-        directions = lookhere_directions(num_heads, fov)
-        groups = torch.arange(num_heads) // (4 if fov >= 90 else 8)
-        slopes = global_slope * torch.linspace(*self.layer_slopes, depth)[:, None] * 2.0 ** -(1 + groups.float())
-        self.register_buffer("directions", directions, persistent=False)  # (H, 2)
-        self.register_buffer("slopes", slopes, persistent=False)  # (L, H)
+        self.fov, self.layer_slopes = float(fov), tuple(float(s) for s in layer_slopes)
+        self.register_buffer("directions", lookhere_directions(num_heads, fov), persistent=False)  # (H, 2)
+        self.register_buffer("slopes", torch.empty(depth, num_heads), persistent=False)  # (L, H)
+        self.global_slope = global_slope
+
+    @property
+    def global_slope(self) -> float:
+        """The factor of every distance penalty. It is not a parameter, so it can be changed on a trained model
+        (the authors' ``set_pos_embed(..., global_slope=)``): at a larger grid in extrapolate mode the same slope is a
+        steeper penalty per image distance. Setting it rebuilds the slopes and drops this encoding's cached biases;
+        :func:`vitpe.set_lookhere_slope` also drops those a combination or the model holds."""
+        return self._global_slope
+
+    @global_slope.setter
+    def global_slope(self, value: float) -> None:
+        if not value > 0:
+            raise ValueError(f"lookhere global_slope must be positive, got {value}")
+        self._global_slope = float(value)
+        groups = torch.arange(self.num_heads) // (4 if self.fov >= 90 else 8)
+        layers = torch.linspace(*self.layer_slopes, self.depth)[:, None]
+        self.slopes.copy_(self._global_slope * layers * 2.0 ** -(1 + groups.float()))
+        self.clear_cache()
 
     def bias(self, grid: PatchGrid) -> Tensor:
         def build():

@@ -11,7 +11,8 @@ from ..coords import COORD_MODES, PatchGrid, Size2
 from ..suggest import did_you_mean
 from .base import PosEmbed
 
-__all__ = ["register_pos_embed", "list_pos_embeds", "build_pos_embed", "pos_embed_options", "CombinedPosEmbed", "set_rope_extrapolation"]
+__all__ = ["register_pos_embed", "list_pos_embeds", "build_pos_embed", "pos_embed_options", "CombinedPosEmbed", "set_rope_extrapolation",
+           "set_lookhere_slope"]
 
 _REGISTRY: Dict[str, Type[PosEmbed]] = {}
 _COMMON = ("self", "dim", "num_heads", "ref_grid", "depth")
@@ -167,3 +168,19 @@ def set_rope_extrapolation(module: nn.Module, scaling: Optional[str] = None, p_r
         if isinstance(m, PosEmbed):
             m.clear_cache()
     return [pe.name for pe in rotary]
+
+
+def set_lookhere_slope(module: nn.Module, global_slope: float) -> List[str]:
+    """Set the global slope of every LookHere encoding in ``module`` (a model, a PE): the factor of each head's
+    distance penalty, fixed, so a trained model can be evaluated with another (``eval.py --lookhere-slope``). In
+    interpolate mode, slope ``k`` at ``k`` times the training grid gives exactly the penalties of extrapolate mode at
+    slope 1. Returns the names of the encodings changed; a module without LookHere raises ``ValueError``."""
+    found = [m for m in module.modules() if isinstance(m, PosEmbed) and hasattr(type(m), "global_slope")]
+    if not found:
+        raise ValueError("this model has no lookhere positional encoding, so a LookHere slope does not apply")
+    for pe in found:
+        pe.global_slope = global_slope
+    for m in module.modules():  # contexts cached by a combination or the model hold the old penalties
+        if isinstance(m, PosEmbed):
+            m.clear_cache()
+    return [pe.name for pe in found]
