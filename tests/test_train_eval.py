@@ -346,8 +346,10 @@ def test_eval_at_native_aspect_ratio(tiny_run, tmp_path, capsys):
     ("fourier+string", ["--rope-scaling", "yarn", "--p-rope", "0.25"], None),
     ("learned+fire", ["--rope-scaling", "yarn"], "no rotary positional encoding"),
     ("sincos2d+comrope", ["--rope-scaling", "ntk"], "no frequency table"),
+    ("lookhere", ["--lookhere-slope", "2"], None),
+    ("sincos2d", ["--lookhere-slope", "2"], "no lookhere positional encoding"),
 ])
-def test_new_families_train_and_evaluate_with_rope_extrapolation(tmp_path, pe, controls, error):
+def test_new_families_train_and_evaluate_with_their_test_time_controls(tmp_path, pe, controls, error):
     assert train(tmp_path, "run", "--set", f"model.pos_embed={pe}", "--set", "train.epochs=1") == 0
     args = [str(tmp_path / "run"), "--resolutions", "16", "32", "--coord-mode", "extrapolate", *controls, "--out", str(tmp_path / "ev")]
     if error:
@@ -356,23 +358,15 @@ def test_new_families_train_and_evaluate_with_rope_extrapolation(tmp_path, pe, c
         return
     assert eval_script.main(args) == 0
     rows = json.loads((tmp_path / "ev" / "results.json").read_text())
-    assert len(rows) == 2 and rows[0]["rope_scaling"] == controls[1] and "[rope " in rows[0]["label"]
+    column, tag = {"--rope-scaling": ("rope_scaling", "[rope "), "--lookhere-slope": ("lookhere_slope", "[lookhere slope ")}[controls[0]]
+    assert len(rows) == 2 and rows[0][column] == type(rows[0][column])(controls[1]) and tag in rows[0]["label"]
     assert all(0 <= r["top1"] <= 1 for r in rows)
 
 
-@pytest.mark.parametrize("pe,error", [("lookhere", None), ("sincos2d", "no lookhere positional encoding")])
-def test_eval_sets_lookhere_slope_or_refuses_a_model_without_lookhere(tmp_path, pe, error):
-    assert train(tmp_path, "run", "--set", f"model.pos_embed={pe}", "--set", "train.epochs=1") == 0
-    args = [str(tmp_path / "run"), "--resolutions", "32", "--lookhere-slope", "2", "--out", str(tmp_path / "ev")]
-    if error:
-        with pytest.raises(ConfigError, match=error):
-            eval_script.main(args)
-        return
-    assert eval_script.main(args) == 0
-    rows = json.loads((tmp_path / "ev" / "results.json").read_text())
-    assert rows[0]["lookhere_slope"] == 2.0 and "[lookhere slope 2]" in rows[0]["label"]
-    with pytest.raises(SystemExit):  # argparse: a slope must be a positive number
-        eval_script.main([*args[:-2], "--lookhere-slope", "0"])
+def test_eval_refuses_a_lookhere_slope_that_is_not_positive():
+    for bad in ("0", "-1", "inf", "steep"):
+        with pytest.raises(SystemExit):
+            eval_script.parse_args(["runs/A", "--lookhere-slope", bad])
 
 
 class EveryStep(train_script.Heartbeat):

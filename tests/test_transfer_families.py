@@ -274,9 +274,14 @@ def test_matrix_rotary_takes_pi_and_refuses_what_needs_a_frequency_table():
         torch.testing.assert_close(big, PF.blocks_to_dense(PF.generator_rotations(half, pe.generators())), atol=1e-9, rtol=0)
 
 
+def small_vit(pos_embed, num_heads=2, **kw):
+    """A 32 px, 2-block model in eval mode: enough for the test-time controls to change what it computes."""
+    return vitpe.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=num_heads, num_classes=3,
+                                   pos_embed=pos_embed, **kw).eval()
+
+
 def test_set_rope_extrapolation_on_a_trained_model_drops_cached_rotations():
-    model = vitpe.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=3,
-                                    pos_embed="sincos2d+rope_axial", coord_mode="extrapolate").eval()
+    model = small_vit("sincos2d+rope_axial", coord_mode="extrapolate")
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         before = model(x)
@@ -285,17 +290,14 @@ def test_set_rope_extrapolation_on_a_trained_model_drops_cached_rotations():
         assert not torch.allclose(before, after)
         set_rope_extrapolation(model, "none")
         torch.testing.assert_close(model(x), before)
-    plain = vitpe.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, pos_embed="learned")
     with pytest.raises(ValueError, match="no rotary positional encoding"):
-        set_rope_extrapolation(plain, "yarn")
+        set_rope_extrapolation(small_vit("learned"), "yarn")
     with pytest.raises(ValueError, match="unknown rope scaling 'yarm'"):
         set_rope_extrapolation(model, "yarm")
 
 
 def test_lookhere_slope_k_at_k_times_the_grid_in_interpolate_mode_is_extrapolate_mode():
-    model = vitpe.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=3,
-                                    pos_embed="lookhere", coord_mode="extrapolate").eval()
-    x = torch.randn(2, 3, 64, 64)
+    model, x = small_vit("lookhere", num_heads=4, coord_mode="extrapolate"), torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         extrapolated = model(x)
         model.coord_mode = "interpolate"
@@ -305,12 +307,11 @@ def test_lookhere_slope_k_at_k_times_the_grid_in_interpolate_mode_is_extrapolate
         torch.testing.assert_close(model(x), extrapolated)
         set_lookhere_slope(model, 1.0)
         torch.testing.assert_close(model(x), interpolated)
-        combined = vitpe.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=3,
-                                           pos_embed="learned+lookhere").eval()
+        combined = small_vit("learned+lookhere", num_heads=4)
         before = combined(x)
         assert set_lookhere_slope(combined, 3.0) == ["lookhere"]
         assert not torch.allclose(combined(x), before)  # the combination's cached biases were dropped
     with pytest.raises(ValueError, match="no lookhere positional encoding"):
-        set_lookhere_slope(vitpe.VisionTransformer(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2), 2.0)
+        set_lookhere_slope(small_vit("sincos2d"), 2.0)
     with pytest.raises(ValueError, match="must be positive"):
         set_lookhere_slope(model, 0.0)
