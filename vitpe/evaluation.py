@@ -322,18 +322,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         modes = {"checkpoint": [cfg.model.coord_mode], "both": ["interpolate", "extrapolate"], "all": list(COORD_MODES)}.get(args.coord_mode, [args.coord_mode])
         controls = " (raw weights)" if args.no_ema and state.get("ema") is not None else ""
         controls += f" [tta {args.tta}]" if args.tta != "none" else ""
-        if args.rope_scaling is not None or args.p_rope is not None:
-            try:
+        try:  # the test-time controls: a model without the encoding they act on is refused in one line
+            if args.rope_scaling is not None or args.p_rope is not None:
                 set_rope_extrapolation(model, args.rope_scaling, args.p_rope)
-            except ValueError as e:
-                raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
-            controls += "".join(f" [{k} {v}]" for k, v in (("rope", args.rope_scaling), ("p-rope", args.p_rope)) if v is not None)
-        if args.lookhere_slope is not None:
-            try:
+                controls += "".join(f" [{k} {v}]" for k, v in (("rope", args.rope_scaling), ("p-rope", args.p_rope)) if v is not None)
+            if args.lookhere_slope is not None:
                 set_lookhere_slope(model, args.lookhere_slope)
-            except ValueError as e:
-                raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
-            controls += f" [lookhere slope {args.lookhere_slope:g}]"
+                controls += f" [lookhere slope {args.lookhere_slope:g}]"
+        except ValueError as e:
+            raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
         dtype = amp_dtype(cfg.train.amp, device)
         variants = [(m, r) for r in routes for m in (modes if r == "coords" else modes[:1])]  # patch route: the trained grid
         for mode, route in variants:

@@ -147,6 +147,14 @@ class CombinedPosEmbed(PosEmbed):
         return x
 
 
+def _clear_caches(module: nn.Module) -> None:
+    """Drop every encoding's cached contexts in ``module``: after a test-time control changed, those cached by a
+    combination or the model still hold what the old setting computed."""
+    for m in module.modules():
+        if isinstance(m, PosEmbed):
+            m.clear_cache()
+
+
 def set_rope_extrapolation(module: nn.Module, scaling: Optional[str] = None, p_rope: Optional[float] = None) -> List[str]:
     """Set the extrapolation controls of every rotary encoding in ``module`` (a model, a PE): ``scaling`` (``"none"``,
     ``"pi"``, ``"ntk"``, ``"yarn"``) and ``p_rope`` (fraction of lowest frequencies left unrotated); ``None`` keeps the
@@ -164,9 +172,7 @@ def set_rope_extrapolation(module: nn.Module, scaling: Optional[str] = None, p_r
                 raise ValueError(f"{pe.name} has no frequency table for p-RoPE to act on; p_rope applies to rope_axial, "
                                  "rope_mixed, rope_golden and string")
             pe.p_rope = p_rope
-    for m in module.modules():  # contexts cached by a combination or the model hold the old rotation
-        if isinstance(m, PosEmbed):
-            m.clear_cache()
+    _clear_caches(module)
     return [pe.name for pe in rotary]
 
 
@@ -180,7 +186,5 @@ def set_lookhere_slope(module: nn.Module, global_slope: float) -> List[str]:
         raise ValueError("this model has no lookhere positional encoding, so a LookHere slope does not apply")
     for pe in found:
         pe.global_slope = global_slope
-    for m in module.modules():  # contexts cached by a combination or the model hold the old penalties
-        if isinstance(m, PosEmbed):
-            m.clear_cache()
+    _clear_caches(module)
     return [pe.name for pe in found]
