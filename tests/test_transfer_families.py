@@ -313,5 +313,6 @@ def test_lookhere_slope_k_at_k_times_the_grid_in_interpolate_mode_is_extrapolate
         assert not torch.allclose(combined(x), before)  # the combination's cached biases were dropped
     with pytest.raises(ValueError, match="no lookhere positional encoding"):
         set_lookhere_slope(small_vit("sincos2d"), 2.0)
-    with pytest.raises(ValueError, match="must be positive"):
-        set_lookhere_slope(model, 0.0)
+    for bad in (0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="must be positive and finite"):
+            set_lookhere_slope(model, bad)

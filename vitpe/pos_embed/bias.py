@@ -1,6 +1,7 @@
 """Relative encodings added to the attention logits: Swin's bias table, Swin-V2's continuous bias, FIRE, LookHere."""
 from __future__ import annotations
 
+import math
 from typing import Dict, Tuple
 
 import torch
@@ -176,8 +177,9 @@ class LookHere(PosEmbed):
 
     @global_slope.setter
     def global_slope(self, value: float) -> None:
-        if not value > 0:
-            raise ValueError(f"lookhere global_slope must be positive, got {value}")
+        # inf * 0 (a patch at distance zero from itself) is NaN: an infinite slope would poison every logit.
+        if not 0 < value < math.inf:
+            raise ValueError(f"lookhere global_slope must be positive and finite, got {value}")
         self._global_slope = float(value)
         groups = torch.arange(self.num_heads) // (4 if self.fov >= 90 else 8)
         layers = torch.linspace(*self.layer_slopes, self.depth)[:, None]
