@@ -119,6 +119,17 @@ def convergence(metrics: List[Dict]) -> Dict:
             "train_wall_s": round(metrics[-1].get("wall_s", float("nan")), 1)}
 
 
+CHECKPOINT_ID = ("epochs", "last_epoch_test_top1", "train_wall_s")
+
+
+def measured_before(results: List[Dict], key: Tuple[str, str, int], metrics: List[Dict]) -> bool:
+    """Whether ``results`` hold the measurements of this very checkpoint. Its epochs alone would not tell: a run trained
+    again after the recipe changed (the old one moved away) has as many epochs, but not the same history."""
+    now = convergence(metrics)
+    ids = {tuple(r.get(k) for k in CHECKPOINT_ID) for r in results if (r["data"], r["row"], r["seed"]) == key}
+    return ids == {tuple(now[k] for k in CHECKPOINT_ID)}
+
+
 def sizes(size: int, patch: int, ref: int) -> List[Tuple[str, float, Tuple[int, int], Optional[Tuple[int, int]]]]:
     """(column, scale, coordinate-route size, patch-route size) for every column of the tables. The patch route keeps
     the trained square token grid, so it has no non-square sizes (None)."""
@@ -417,9 +428,8 @@ def main(argv=None) -> int:
     started = time.time()
     for data, row, seed in todo:
         run = train_converged(data, row, seed, args, out / "runs")
-        epochs = {r["epochs"] for r in results if (r["data"], r["row"], r["seed"]) == (data, row, seed)}
-        if epochs == {load_checkpoint(run)["epoch"]}:
-            continue  # measured before, on this checkpoint
+        if measured_before(results, (data, row, seed), load_checkpoint(run)["metrics"]):
+            continue
         new = evaluate_run(run, data, row, seed, args)
         results = [r for r in results if (r["data"], r["row"], r["seed"]) != (data, row, seed)] + new
         report(results, out)  # a partial study stays readable

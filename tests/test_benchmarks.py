@@ -49,6 +49,14 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"shapes-learned-seed0-e1 was trained with another config than this study asks "
                                          r"for \(train.lr: 0.001 -> 0.0123\): move it away"):
         study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned", "--set", "train.lr=0.0123"])
+    # Moved away, they are trained again with as many epochs: their new checkpoints are measured, not the old results kept.
+    for old in (tmp_path / "runs").glob("shapes-learned-*"):
+        old.rename(tmp_path / f"old-{old.name}")
+    assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned", "--set", "train.lr=0.0123"]) == 0
+    again = json.loads((tmp_path / "results.json").read_text())
+    assert [r for r in again if r["row"] != "learned"] == [r for r in rows if r["row"] != "learned"]
+    relearned = [r for r in again if r["row"] == "learned"]
+    assert len(relearned) == len(learned) and all(r["epochs"] == 2 for r in relearned) and relearned != learned
 
 
 def test_resolution_transfer_report_keeps_a_zero_change(tmp_path):
