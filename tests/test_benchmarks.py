@@ -78,10 +78,10 @@ def test_resolution_transfer_report_keeps_a_zero_change(tmp_path):
 def test_resolution_transfer_orderings_weigh_the_seed_spread_and_convergence(tmp_path):
     study = load("resolution_transfer")
 
-    def measured(row, converged, top1_1x, top1_2x, seed=0):
+    def measured(row, converged, top1_1x, top1_2x, seed=0, mode="interpolate"):
         return [{"data": "shapes", "row": row, "pe": row, "variant": "", "seed": seed, "train_size": 32, "epochs": 24,
-                 "converged": converged, "train_wall_s": 60.0, "label": "interpolate", "route": "coords",
-                 "coord_mode": "interpolate", "rope_scaling": "none", "column": c, "scale": k, "height": 32 * k,
+                 "converged": converged, "train_wall_s": 60.0, "label": mode, "route": "coords",
+                 "coord_mode": mode, "rope_scaling": "none", "column": c, "scale": k, "height": 32 * k,
                  "width": 32 * k, "top1": t, "tokens_per_image": 64 * k * k} for c, k, t in (("1x", 1, top1_1x), ("2x", 2, top1_2x))]
 
     def ordering(rows):
@@ -102,6 +102,14 @@ def test_resolution_transfer_orderings_weigh_the_seed_spread_and_convergence(tmp
     assert ordering(tight).endswith("at 2x: confirmed")
     assert ordering([r for r in tight if r["row"] == "cpb"] + measured("rel_bias", True, 0.99, 0.60)).endswith(
         "rel_bias -39.0 (1 seed) at 2x: confirmed (rel_bias: one seed, its spread taken as the other row's)")
+    # Extrapolate mode, where both rows were measured in it, gets its own verdict under the interpolate one.
+    both = tight + [r for s, (a, b) in enumerate(((0.30, 0.50), (0.32, 0.52), (0.31, 0.51))) for r in
+                    measured("cpb", True, 0.99, a, s, "extrapolate") + measured("rel_bias", True, 0.99, b, s, "extrapolate")]
+    for rows, after in ((both, "  - extrapolate mode: cpb -68.0 (3 seeds) vs rel_bias -48.0 (3 seeds) at 2x: contradicted"),
+                        (tight, "- RoPE-ViT: RoPE-Mixed transfers better than learned APE: not measured yet")):
+        swin = ordering(rows)
+        lines = (tmp_path / "table.md").read_text().splitlines()
+        assert lines[lines.index(swin) + 1] == after
 
 
 def test_speed_smoke(tmp_path):
