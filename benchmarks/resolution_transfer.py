@@ -376,8 +376,15 @@ def plot(sub: List[Dict], group: Dict, data: str, out: Path) -> None:
               ("multires", "top-1 (%)", lambda r: 100 * r["top1"])]
     attention = [("plain", "last layer: attention entropy - log(keys / keys at 1x) (nats)", lambda r: grid_entropy(r, group)),
                  ("plain", "last layer: mean attention distance (training-grid cells)", lambda r: (r.get("attn_distance_ref") or [None])[-1])]
-    for name, spec in ((f"{data}.png", panels), (f"{data}_attention.png", attention)):
-        fig, axes = plt.subplots(1, len(spec), figsize=(6.5 * len(spec), 5.5))
+    measured = {r["variant"] for r in sub}
+    # Panels only for the variants measured so far; the accuracy panels share their axis, so that a flat multi-size
+    # curve is not drawn as steep as a plain row's collapse.
+    for name, spec, share in ((f"{data}.png", panels, True), (f"{data}_attention.png", attention, False)):
+        spec = [panel for panel in spec if panel[0] in measured]
+        if not spec:
+            continue
+        fig, axes = plt.subplots(1, len(spec), figsize=(6.5 * len(spec), 5.5), sharey=share, squeeze=False)
+        axes = axes[0]
         for ax, (variant, ylabel, value) in zip(axes, spec):
             rows = list(dict.fromkeys(r["row"] for r in sub if r["variant"] == variant))
             for i, row in enumerate(rows):
