@@ -36,7 +36,8 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     assert all(len(r["attn_entropy_norm"]) == 2 and len(r["attn_distance_ref"]) == 2 for r in coords)  # per layer (depth 2)
     assert all(isinstance(r["converged"], bool) and r["epochs"] == 2 for r in rows)  # the longer run is the one measured
     table = (tmp_path / "table.md").read_text()
-    for text in ("## shapes (trained at 16 px)", "### shapes: interpolate", "| learned |", "### shapes: extrapolate+yarn",
+    for text in ("## shapes (trained at 16 px)", "| converged | train top-1 | 1x top-1 |", "### shapes: interpolate",
+                 "| learned |", "### shapes: extrapolate+yarn",
                  "FIRE: better than RoPE far from the training size: not measured yet", "last layer's attention"):
         assert text in table
     assert (tmp_path / "shapes.png").stat().st_size > 5000 and (tmp_path / "shapes_attention.png").stat().st_size > 5000
