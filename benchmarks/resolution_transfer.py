@@ -19,6 +19,7 @@ restarted at any point, across sessions.
 Convergence: a run has converged when its test top-1 rose by less than CONVERGED_POINTS over the last fifth of its
 epochs. A run that has not is trained again from scratch with twice the epochs, up to --max-epochs (48: twice
 the recipe's 24), and the longest run is the one measured; the report marks rows that still had not converged.
+A row's next seed starts with the epochs its other seeds needed (see ``first_epochs``).
 Sizes: each scale x training size rounded to a multiple of the patch size (coordinate routes) or of the token grid
 (patch route); aspect ratios at the training area.
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -98,7 +100,7 @@ def train_args(data: str, row: str, seed: int, args) -> List[str]:
 def train_converged(data: str, row: str, seed: int, args, runs: Path) -> Path:
     """Train the row with the recipe's epochs; while its test top-1 is still moving, train it again from scratch with
     twice the epochs (a new cosine schedule; the shorter run is kept), up to ``args.max_epochs``."""
-    epochs = study_config(data, args).train.epochs
+    epochs = first_epochs(runs, data, row, study_config(data, args).train.epochs, args.max_epochs)
     while True:
         name = f"{data}-{row}-seed{seed}-e{epochs}"  # the epochs in the name: a run is never taken for a longer one
         run = train_or_reuse(runs / safe_name(name), [*train_args(data, row, seed, args), "--set", f"train.epochs={epochs}"],
@@ -107,6 +109,16 @@ def train_converged(data: str, row: str, seed: int, args, runs: Path) -> Path:
             return run
         print(f"[{data} {row} seed {seed}] still moving after {epochs} epochs: training {2 * epochs}")
         epochs *= 2
+
+
+def first_epochs(runs: Path, data: str, row: str, recipe: int, most: int) -> int:
+    """The epochs a row's run starts with: the recipe's, or the most any of the row's seeds has been trained with,
+    up to ``most``. A longer run is trained from scratch, so a seed that starts where another seed needed to go ends
+    with the run the doubling would reach, minus the shorter runs (hours of the grid); a seed that would have
+    converged sooner only trains longer."""
+    name = re.compile(re.escape(safe_name(f"{data}-{row}-seed")) + r"\d+-e(\d+)")
+    tried = [int(m.group(1)) for p in runs.iterdir() if (m := name.fullmatch(p.name))] if runs.is_dir() else []
+    return max(recipe, min(most, max(tried, default=recipe)))
 
 
 def convergence(metrics: List[Dict]) -> Dict:

@@ -41,13 +41,14 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
                  "FIRE: better than RoPE far from the training size: not measured yet", "last layer's attention"):
         assert text in table
     assert (tmp_path / "shapes.png").stat().st_size > 5000 and (tmp_path / "shapes_attention.png").stat().st_size > 5000
-    # Run again for one row: nothing is trained or measured again, every result is kept.
+    # Run again for one row: nothing is trained or measured again, every result is kept (it starts at the 2 epochs
+    # the row needed, so the 1-epoch run is not even opened).
     assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned"]) == 0
     assert "reusing finished run" in capsys.readouterr().out
     assert json.loads((tmp_path / "results.json").read_text()) == rows
     assert "nan" not in (tmp_path / "table.md").read_text()
     # The recipe changed since (here its learning rate): the runs trained with the old one are refused, not reused.
-    with pytest.raises(SystemExit, match=r"shapes-learned-seed0-e1 was trained with another config than this study asks "
+    with pytest.raises(SystemExit, match=r"shapes-learned-seed0-e2 was trained with another config than this study asks "
                                          r"for \(train.lr: 0.001 -> 0.0123\): move it away"):
         study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned", "--set", "train.lr=0.0123"])
     # Moved away, they are trained again with as many epochs: their new checkpoints are measured, not the old results kept.
@@ -74,6 +75,20 @@ def test_resolution_transfer_report_keeps_a_zero_change(tmp_path):
     assert study.main(["--report", "--out", str(tmp_path)]) == 0 and (tmp_path / "table.md").read_text() == table
     with pytest.raises(SystemExit, match="unknown study row 'none:aug'"):
         study.main(["--smoke", "--out", str(tmp_path), "--rows", "none:aug"])
+
+
+def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_needed_to_go(tmp_path):
+    study = load("resolution_transfer")
+    runs = tmp_path / "runs"
+    assert study.first_epochs(runs, "shapes", "fire", 24, 48) == 24  # nothing trained yet: the recipe's epochs
+    for name in ("shapes-fire-seed0-e24", "shapes-fire-seed0-e48", "shapes-fire_aug-seed1-e96",
+                 "shapes-sincos2d_multires-seed0-e48", "fashion_mnist-fire-seed0-e96", "shapes-fire-seed0-e12.bak"):
+        (runs / name).mkdir(parents=True)
+    assert study.first_epochs(runs, "shapes", "fire", 24, 48) == 48  # seed 0 needed 48: seed 1 starts there
+    assert study.first_epochs(runs, "shapes", "fire", 24, 32) == 32  # never past --max-epochs
+    assert study.first_epochs(runs, "shapes", "sincos2d:multires", 24, 48) == 48
+    assert study.first_epochs(runs, "shapes", "sincos2d", 24, 48) == 24  # another row's runs do not count
+    assert study.first_epochs(runs, "shapes", "fire:aug", 24, 48) == 48
 
 
 def test_resolution_transfer_orderings_weigh_the_seed_spread_and_convergence(tmp_path):
