@@ -128,6 +128,17 @@ def test_resolution_transfer_orderings_weigh_the_seed_spread_and_convergence(tmp
         assert lines[lines.index(swin) + 1] == after
 
 
+def test_shapes_leak_smoke(tmp_path):
+    leak = load("shapes_leak")
+    assert leak.main(["--smoke", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "shapes_leak.json").read_text())
+    # Without a PE the model is a bag of patches: shuffling them moves its logits by float rounding only.
+    assert r["pos_embed"] == "none" and r["max_logit_change_by_shuffling"] < 1e-3 and r["unchanged_by_shuffling"] > 0.95
+    assert sum(b["n"] for b in r["bins"]) == r["arrangement_n"] > 0 and "| play along" in (tmp_path / "shapes_leak.md").read_text()
+    with pytest.raises(SystemExit, match="no checkpoint.pt in"):
+        leak.main([str(tmp_path / "nowhere")])
+
+
 def test_speed_smoke(tmp_path):
     assert load("speed").main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "speed.json").read_text())["rows"]

@@ -55,6 +55,23 @@ def test_shapes_classes_and_geometry():
     assert (p["kind"][label == 5] == torch.tensor([0, 1])).all() and (p["kind"][label == 6] == torch.tensor([1, 0])).all()
 
 
+def test_pair_play_is_the_room_a_pair_had_along_its_axis():
+    from vitpe.data.shapes import EDGE_MARGIN, pair_play
+    # A circle and a square of radius 0.1 at 0.3 and 0.7 on one axis: 0.17 free on each side of the pair.
+    across, along = torch.tensor([0.5, 0.5]), torch.tensor([0.3, 0.7])
+    params = {"centre": torch.stack([torch.stack([along, across], -1), torch.stack([across, along], -1),
+                                     torch.tensor([[0.5, 0.5], [-10.0, -10.0]])]),
+              "radius": torch.full((3, 2), 0.1), "kind": torch.tensor([[0, 1], [0, 1], [0, -1]])}
+    play = pair_play(params)
+    assert torch.allclose(play[:2], torch.tensor(2 * (0.3 - 0.1 - EDGE_MARGIN), dtype=play.dtype)) and play[2].isnan()
+    # On the dataset: never negative, and most pairs have under a patch (1/8 of the image) of it: the room a model
+    # without position reads the arrangement from (benchmarks/shapes_leak.py).
+    p = shapes_params(2000, seed=0)
+    play = pair_play(p)
+    two = p["kind"][:, 1] >= 0
+    assert (play[two] >= 0).all() and play[~two].isnan().all() and 0.5 < (play[two] < 0.125).float().mean() < 1
+
+
 def test_shapes_dataset_split_sizes_and_native_rendering():
     ds = load_dataset("shapes", train_size=50, test_size=20)
     x, y = ds.split(True, (32, 32))

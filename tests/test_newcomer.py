@@ -60,7 +60,7 @@ def test_the_last_lines_say_what_position_bought_and_compare_with_the_measured_n
     row = {"test_top1": 0.95, "test_per_class_top1": per}
     lines = train_script.learned_lines(row, ds, cfg)
     assert len(lines) == 1 and lines[0].startswith("learned: 93.0% on the 4 classes only position tells apart (circle above square")
-    assert "cannot beat 25%" in lines[0] and "99.0% on the other 6" in lines[0]
+    assert "chance on them: 25%)" in lines[0] and "99.0% on the other 6" in lines[0]
     # The recipe's measured results are found by recipe: the PE and the seed are not part of it, the epochs are.
     other = load_config(str(ROOT / "configs" / "shapes.yaml"))
     other.model.pos_embed, other.train.seed = "none", 3

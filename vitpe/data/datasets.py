@@ -23,7 +23,7 @@ from ..errors import VitpeError
 from ..suggest import did_you_mean
 from .shapes import POSITION_CLASSES, SHAPES_CLASSES, render_shapes, shapes_params
 
-__all__ = ["DataError", "ImageDataset", "load_dataset", "resize_images", "DEBIAN_FASHION_MNIST"]
+__all__ = ["DataError", "ImageDataset", "load_dataset", "resize_images", "DEBIAN_FASHION_MNIST", "SHAPES_SEED"]
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 _FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -101,13 +101,16 @@ def _subset(x: Tensor, y: Tensor, n: Optional[int]) -> Tuple[Tensor, Tensor]:
 
 
 # ---- shapes ----------------------------------------------------------------------------------------
+SHAPES_SEED = {True: 0, False: 1}  # the train and test splits' seeds: every run and every resolution sees the same samples
+
+
 def _shapes(data_dir: Path, train_size: Optional[int], test_size: Optional[int]) -> ImageDataset:
     sizes = {True: train_size or 20000, False: test_size or 5000}
     params = {}
 
     def params_of(train: bool) -> dict:
-        if train not in params:  # fixed seeds: every run and every resolution sees the same samples
-            params[train] = shapes_params(sizes[train], seed=0 if train else 1)
+        if train not in params:
+            params[train] = shapes_params(sizes[train], seed=SHAPES_SEED[train])
         return params[train]
 
     def load(train: bool, size: Tuple[int, int]) -> Tuple[Tensor, Tensor]:

@@ -7,7 +7,9 @@ whole dataset is a deterministic function of ``(seed, index)``.
 Classes 0-4 and 9 are told apart by *what* is in the image. Classes 5-8 contain the same two shapes,
 a circle and a square, and differ only in *where* they are relative to each other; the shapes are kept
 apart by more than a patch, so no single patch sees both. A ViT without positional encoding sees a bag
-of patches and cannot separate 5-8: it tops out near 6/10 + 4/10 * 1/4 = 70% accuracy.
+of patches and can only guess 5-8 (25%, 70% in all), except where a pair fills the image along its axis: with
+little room to move, each shape's offset within its patches follows from the shapes' sizes and gives the arrangement away
+(:func:`pair_play`; measured in benchmarks/shapes_leak.py).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["SHAPES_CLASSES", "POSITION_CLASSES", "shapes_params", "render_shapes"]
+__all__ = ["SHAPES_CLASSES", "POSITION_CLASSES", "shapes_params", "render_shapes", "pair_play"]
 
 SHAPES_CLASSES = (
     "circle",
@@ -47,6 +49,7 @@ PAIR_GAP = (0.14, 0.06)  # (smallest, range): free space between a pair's shapes
 MIN_CONTRAST = 0.5  # shapes differ from the background by at least this in some channel
 ROTATION = 0.0  # shapes turn by up to this fraction of a full turn (0: upright)
 CROSS_ARM = 0.4  # a cross's arm half-width, in its radii
+EDGE_MARGIN = 0.03  # free space between a shape and the image's edge
 
 
 def shapes_params(n: int, seed: int, start: int = 0) -> dict:
@@ -67,13 +70,13 @@ def shapes_params(n: int, seed: int, start: int = 0) -> dict:
     r = torch.where(two[:, None], PAIR_RADIUS[0] + PAIR_RADIUS[1] * u[:, 1:3], SINGLE_RADIUS[0] + SINGLE_RADIUS[1] * u[:, 1:3])  # (n, 2) radii
     rot = u[:, 3:5] * 2 * math.pi * ROTATION
     # Single shapes: anywhere that keeps them inside the image.
-    c1 = r[:, :1] + 0.03 + (1 - 2 * r[:, :1] - 0.06) * u[:, 5:7]
+    c1 = r[:, :1] + EDGE_MARGIN + (1 - 2 * r[:, :1] - 2 * EDGE_MARGIN) * u[:, 5:7]
     # Pairs: along one axis with a gap of at least PAIR_GAP[0] (more than a patch at patch size <= 1/8 image),
     # roughly aligned on the other axis.
     gap = PAIR_GAP[0] + PAIR_GAP[1] * u[:, 7]
     span = r[:, 0] + r[:, 1] + gap  # centre distance along the main axis
-    lo = r[:, 0] + 0.03
-    a1 = lo + (1 - 0.03 - r[:, 1] - span - lo).clamp_min(0) * u[:, 8]  # first shape's main-axis centre
+    lo = r[:, 0] + EDGE_MARGIN
+    a1 = lo + (1 - EDGE_MARGIN - r[:, 1] - span - lo).clamp_min(0) * u[:, 8]  # first shape's main-axis centre
     a2 = a1 + span
     m = 0.5 + (0.5 - r.max(1).values - 0.03 - 0.04) * (2 * u[:, 9] - 1)  # shared cross-axis centre
     jit = 0.04 * (2 * u[:, 10:12] - 1)
@@ -92,6 +95,18 @@ def shapes_params(n: int, seed: int, start: int = 0) -> dict:
     fg = torch.where(far, fg, (bg[:, None] + 0.5) % 1.0)
     tex = torch.stack([draw(4 * N_TEX)[:, i::4] for i in range(4)], -1)  # (n, N_TEX, 4): angle, freq, phase, amp
     return {"label": label, "kind": _KINDS[label], "centre": centres, "radius": r, "rotation": rot, "colour": fg, "background": bg, "texture": tex}
+
+
+def pair_play(params: dict) -> Tensor:
+    """How far each pair could have been placed elsewhere along its axis, in image widths (NaN for one shape): the
+    room between the pair's outer edges and the image's margins. A pair with less play than a patch sits at nearly one
+    offset from the patch grid for its sizes, which a model without position can read."""
+    c, r = params["centre"].double(), params["radius"].double()
+    axis = ((c[:, 1, 1] - c[:, 0, 1]).abs() > (c[:, 1, 0] - c[:, 0, 0]).abs()).long()  # 1: the pair is stacked in y
+    rows = torch.arange(len(c))
+    first, second = c[rows, 0, axis], c[rows, 1, axis]  # the first shape lies before the second on the axis
+    play = ((first - r[:, 0] - EDGE_MARGIN) + (1 - EDGE_MARGIN - second - r[:, 1])).clamp_min(0)
+    return torch.where(params["kind"][:, 1] >= 0, play, torch.full_like(play, float("nan")))
 
 
 def _rotate(p: Tensor, angle: Tensor) -> Tensor:
