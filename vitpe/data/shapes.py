@@ -78,7 +78,7 @@ def shapes_params(n: int, seed: int, start: int = 0) -> dict:
     lo = r[:, 0] + EDGE_MARGIN
     a1 = lo + (1 - EDGE_MARGIN - r[:, 1] - span - lo).clamp_min(0) * u[:, 8]  # first shape's main-axis centre
     a2 = a1 + span
-    m = 0.5 + (0.5 - r.max(1).values - 0.03 - 0.04) * (2 * u[:, 9] - 1)  # shared cross-axis centre
+    m = 0.5 + (0.5 - r.max(1).values - EDGE_MARGIN - 0.04) * (2 * u[:, 9] - 1)  # shared cross-axis centre
     jit = 0.04 * (2 * u[:, 10:12] - 1)
     # "above": the first shape has the smaller y; "left": the smaller x. Two triangles take either axis at
     # random, so for them the arrangement carries no label information.
