@@ -23,7 +23,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from vitpe.checkpoint import CHECKPOINT_NAME, checkpoint_config, load_checkpoint, model_from_checkpoint
+from vitpe.checkpoint import CheckpointError, checkpoint_config, find_checkpoint, model_from_checkpoint
 from vitpe.data.augment import normalize
 from vitpe.data.datasets import SHAPES_SEED
 from vitpe.data.shapes import POSITION_CLASSES, pair_play, shapes_params
@@ -48,11 +48,10 @@ def logits(model, x: Tensor, batch: int = 500) -> Tensor:
 
 def measure(run: Path) -> Dict:
     """The run's test split at its training size: top-1 overall and on the arrangement classes, per bin of play."""
-    state = load_checkpoint(run / CHECKPOINT_NAME)
+    model, state = model_from_checkpoint(run)
     cfg = checkpoint_config(state)
     if cfg.data.name != "shapes":
         raise SystemExit(f"{run} was trained on {cfg.data.name!r}: this measures shapes' arrangement classes; give a shapes run")
-    model = model_from_checkpoint(run / CHECKPOINT_NAME)[0].eval()
     ds = dataset_of(cfg)
     images, labels = ds.split(False, (cfg.model.img_size,) * 2)
     params = shapes_params(len(labels), seed=SHAPES_SEED[False])
@@ -91,7 +90,7 @@ def markdown(r: Dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run", nargs="?", help="a run directory trained on shapes")
+    p.add_argument("run", nargs="?", help="a run directory trained on shapes, or its checkpoint file")
     p.add_argument("--out", help="where shapes_leak.json and .md go (default: the run's directory)")
     p.add_argument("--smoke", action="store_true", help="train a tiny run without a PE for one epoch and measure it")
     args = p.parse_args(argv)
@@ -104,11 +103,11 @@ def main(argv=None) -> int:
         args.run = str(out / "none")
     if not args.run:
         p.error("give a run directory, or --smoke")
-    run = Path(args.run)
-    if not (run / CHECKPOINT_NAME).is_file():
-        raise SystemExit(f"no {CHECKPOINT_NAME} in {run}: give a run directory written by train.py")
-    result = measure(run)
-    out = Path(args.out or run)
+    try:
+        result = measure(Path(args.run))
+    except CheckpointError as e:  # missing, corrupt or not vitpe's: the library's one line, without a traceback
+        raise SystemExit(str(e)) from None
+    out = Path(args.out or find_checkpoint(args.run).parent)
     out.mkdir(parents=True, exist_ok=True)
     (out / "shapes_leak.json").write_text(json.dumps(result, indent=1))
     (out / "shapes_leak.md").write_text(markdown(result))

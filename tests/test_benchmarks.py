@@ -135,8 +135,11 @@ def test_shapes_leak_smoke(tmp_path):
     # Without a PE the model is a bag of patches: shuffling them moves its logits by float rounding only.
     assert r["pos_embed"] == "none" and r["max_logit_change_by_shuffling"] < 1e-3 and r["unchanged_by_shuffling"] > 0.95
     assert sum(b["n"] for b in r["bins"]) == r["arrangement_n"] > 0 and "| play along" in (tmp_path / "shapes_leak.md").read_text()
-    with pytest.raises(SystemExit, match="no checkpoint.pt in"):
+    with pytest.raises(SystemExit, match="nowhere does not exist; give a run directory"):
         leak.main([str(tmp_path / "nowhere")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no checkpoint.pt in run directory .*empty"):
+        leak.main([str(tmp_path / "empty")])
 
 
 def test_speed_smoke(tmp_path):
