@@ -97,10 +97,10 @@ def train_args(data: str, row: str, seed: int, args) -> List[str]:
     return cmd
 
 
-def train_converged(data: str, row: str, seed: int, args, runs: Path) -> Path:
+def train_converged(data: str, row: str, seed: int, args, runs: Path, results: List[Dict]) -> Path:
     """Train the row with the recipe's epochs; while its test top-1 is still moving, train it again from scratch with
     twice the epochs (a new cosine schedule; the shorter run is kept), up to ``args.max_epochs``."""
-    epochs = first_epochs(runs, data, row, study_config(data, args).train.epochs, args.max_epochs)
+    epochs = first_epochs(runs, data, row, study_config(data, args).train.epochs, args.max_epochs, results)
     while True:
         name = f"{data}-{row}-seed{seed}-e{epochs}"  # the epochs in the name: a run is never taken for a longer one
         run = train_or_reuse(runs / safe_name(name), [*train_args(data, row, seed, args), "--set", f"train.epochs={epochs}"],
@@ -111,13 +111,15 @@ def train_converged(data: str, row: str, seed: int, args, runs: Path) -> Path:
         epochs *= 2
 
 
-def first_epochs(runs: Path, data: str, row: str, recipe: int, most: int) -> int:
+def first_epochs(runs: Path, data: str, row: str, recipe: int, most: int, results: List[Dict] = ()) -> int:
     """The epochs a row's run starts with: the recipe's, or the most any of the row's seeds has been trained with,
     up to ``most``. A longer run is trained from scratch, so a seed that starts where another seed needed to go ends
     with the run the doubling would reach, minus the shorter runs (hours of the grid); a seed that would have
-    converged sooner only trains longer."""
+    converged sooner only trains longer. The seeds' epochs come from their run directories and from the measurements
+    in ``results``: run directories are git-ignored, so a fresh clone has only the committed record."""
     name = re.compile(re.escape(safe_name(f"{data}-{row}-seed")) + r"\d+-e(\d+)")
     tried = [int(m.group(1)) for p in runs.iterdir() if (m := name.fullmatch(p.name))] if runs.is_dir() else []
+    tried += [r["epochs"] for r in results if (r["data"], r["row"]) == (data, row)]
     return max(recipe, min(most, max(tried, default=recipe)))
 
 
@@ -454,7 +456,7 @@ def main(argv=None) -> int:
         parse_row(row)  # every row checked before the first run starts
     started = time.time()
     for data, row, seed in todo:
-        run = train_converged(data, row, seed, args, out / "runs")
+        run = train_converged(data, row, seed, args, out / "runs", results)
         if measured_before(results, (data, row, seed), load_checkpoint(run)["metrics"]):
             continue
         new = evaluate_run(run, data, row, seed, args)

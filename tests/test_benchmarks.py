@@ -89,6 +89,11 @@ def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_needed_to_
     assert study.first_epochs(runs, "shapes", "sincos2d:multires", 24, 48) == 48
     assert study.first_epochs(runs, "shapes", "sincos2d", 24, 48) == 24  # another row's runs do not count
     assert study.first_epochs(runs, "shapes", "fire:aug", 24, 48) == 48
+    # A fresh clone has no run directories (git-ignored), only the committed measurements: they say it too.
+    recorded = [{"data": "shapes", "row": "learned", "seed": 0, "epochs": 48},
+                {"data": "fashion_mnist", "row": "cpb", "seed": 0, "epochs": 96}]
+    assert study.first_epochs(tmp_path / "fresh", "shapes", "learned", 24, 48, recorded) == 48
+    assert study.first_epochs(tmp_path / "fresh", "shapes", "cpb", 24, 48, recorded) == 24  # another dataset's do not count
 
 
 def test_resolution_transfer_orderings_weigh_the_seed_spread_and_convergence(tmp_path):
