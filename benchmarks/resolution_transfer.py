@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -111,7 +111,7 @@ def train_converged(data: str, row: str, seed: int, args, runs: Path, results: L
         epochs *= 2
 
 
-def first_epochs(runs: Path, data: str, row: str, recipe: int, most: int, results: List[Dict] = ()) -> int:
+def first_epochs(runs: Path, data: str, row: str, recipe: int, most: int, results: Sequence[Dict] = ()) -> int:
     """The epochs a row's run starts with: the recipe's, or the most any of the row's seeds has been trained with,
     up to ``most``. A longer run is trained from scratch, so a seed that starts where another seed needed to go ends
     with the run the doubling would reach, minus the shorter runs (hours of the grid); a seed that would have
