@@ -62,6 +62,9 @@ ORDERINGS = (
     ("rope_mixed", "rope_axial", 2.0, "RoPE-ViT: RoPE-Mixed transfers better than axial RoPE"),
     ("fire", "rope_axial", 4.0, "FIRE: better than RoPE far from the training size"),
     ("lookhere", "rope_axial", 4.0, "LookHere: better than RoPE far from the training size"),
+    # Coordinate augmentation is these papers' recipe for resolution robustness; here it is drawn per image.
+    ("sincos2d:aug", "sincos2d", 2.0, "CAPE: sin-cos APE trained on shifted and rescaled coordinates transfers better"),
+    ("rope_axial:aug", "rope_axial", 2.0, "DINOv3: RoPE trained on shifted, jittered and rescaled coordinates transfers better"),
 )
 
 
