@@ -98,6 +98,9 @@ def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_needed_to_
 
 def test_resolution_transfer_orderings_weigh_the_seed_spread_and_convergence(tmp_path):
     study = load("resolution_transfer")
+    # A misspelt row would read "not measured yet" forever: every ordering names rows the study can train.
+    for better, worse, _, _ in study.ORDERINGS:
+        assert study.parse_row(better) and study.parse_row(worse)
 
     def measured(row, converged, top1_1x, top1_2x, seed=0, mode="interpolate"):
         return [{"data": "shapes", "row": row, "pe": row, "variant": "", "seed": seed, "train_size": 32, "epochs": 24,
