@@ -4,12 +4,15 @@
     python benchmarks/per_image.py --parts baseline --baseline 12a28ff   # main-job training throughput, this tree / REV
     python benchmarks/per_image.py --parts token_keep packing            # speed, side by side in one process
     python benchmarks/per_image.py --parts accuracy --seeds 0 1          # Fashion-MNIST at equal wall time, r = 1 vs 0.5
+    python benchmarks/per_image.py --parts coord_aug                     # the study's coordinate augmentation: its cost
     python benchmarks/per_image.py --smoke                               # seconds: checks the script still runs
 
 ``baseline`` imports REV's vitpe (a git worktree) beside this tree's and alternates their training steps in one
 process, A B A B, reporting the median of the per-round ratios. ``token_keep`` and ``packing`` alternate in one process
-(vitpe.timing). ``accuracy`` trains configs/fashion_mnist_cpu.yaml with every token for E epochs and with half the
-tokens for E x (measured speed-up) epochs, so both take the same wall time. Results go to OUT/per_image.json
+(vitpe.timing). ``coord_aug`` alternates training steps of the main job's model without a PE, with PE P, and with P
+and the resolution-transfer study's per-image coordinate augmentation (its ``AUG``). ``accuracy`` trains
+configs/fashion_mnist_cpu.yaml with every token for E epochs and with half the tokens for E x (measured speed-up)
+epochs, so both take the same wall time. Results go to OUT/per_image.json
 (merged part by part as each finishes) and OUT/per_image.md.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 import vitpe
 from vitpe.checkpoint import load_checkpoint
@@ -83,13 +87,13 @@ def load_baseline(rev: str):
     return module
 
 
-def recipe_step(package, arch: str, pe: str) -> Callable[[], None]:
+def recipe_step(package, arch: str, pe: str, **model_kwargs) -> Callable[[], None]:
     """One training step as train.py takes it (batch 128, timm's AdamW, label smoothing, gradient clipping) of
-    architecture ``arch`` with PE ``pe``, built by ``package``'s VisionTransformer."""
+    architecture ``arch`` with PE ``pe`` (and ``model_kwargs``), built by ``package``'s VisionTransformer."""
     from timm.optim import create_optimizer_v2
 
     torch.manual_seed(0)
-    model = package.VisionTransformer(**{**ARCHS[arch], "pos_embed": pe}, num_classes=10, in_chans=3)
+    model = package.VisionTransformer(**{**ARCHS[arch], "pos_embed": pe, **model_kwargs}, num_classes=10, in_chans=3)
     opt = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05)
     x, y = torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,))
 
@@ -122,6 +126,33 @@ def part_baseline(args) -> List[Dict]:
                      "baseline": args.baseline})
         print(f"[baseline] {pe}: this tree / {args.baseline} = {r['median']:.3f} (rounds {r['min']:.3f}..{r['max']:.3f}; fastest rounds "
               f"{rows[-1]['fastest_round_ratio']:.3f}); control, this tree / itself = {control['median']:.3f}")
+    return rows
+
+
+def study_coord_aug() -> Dict[str, float]:
+    """The coordinate augmentation of the resolution-transfer study's ``FAMILY:aug`` rows, read from the study itself."""
+    spec = importlib.util.spec_from_file_location("resolution_transfer", ROOT / "benchmarks" / "resolution_transfer.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    return yaml.safe_load(study.AUG)
+
+
+def part_coord_aug(args) -> List[Dict]:
+    """Training throughput of the study's ``FAMILY:aug`` rows: the main job's model without a PE, with the PE, and with
+    the PE and the study's per-image coordinate augmentation, alternated in one process (train.py's step, batch 128)."""
+    aug, arch, rows = study_coord_aug(), MAIN_JOB, []
+    for pe in args.aug_pes:
+        fns = {"none": recipe_step(vitpe, arch, "none"), pe: recipe_step(vitpe, arch, pe),
+               "coord_aug": recipe_step(vitpe, arch, pe, coord_aug=aug)}
+        times = alternate(fns, args.iters, args.rounds, torch.device("cpu"))
+        plain, augmented, aug_plain = ratio(times, "none", pe), ratio(times, "none", "coord_aug"), ratio(times, pe, "coord_aug")
+        rows.append({"arch": arch, "pe": pe, "coord_aug": json.dumps(aug), "none_img_s": 128 / statistics.median(times["none"]),
+                     "pe_img_s": 128 / statistics.median(times[pe]), "aug_img_s": 128 / statistics.median(times["coord_aug"]),
+                     "pe_over_none": plain["median"], "aug_over_none": augmented["median"], "aug_over_none_min": augmented["min"],
+                     "aug_over_none_max": augmented["max"], "aug_over_pe": aug_plain["median"], "aug_over_pe_min": aug_plain["min"],
+                     "aug_over_pe_max": aug_plain["max"], "rounds": args.rounds, "steps_per_round": args.iters})
+        print(f"[coord_aug] {pe}: {rows[-1]['aug_img_s']:.0f} img/s with coord_aug, {augmented['median']:.3f} of none's speed "
+              f"(rounds {augmented['min']:.3f}..{augmented['max']:.3f}), {aug_plain['median']:.3f} of {pe}'s without it")
     return rows
 
 
@@ -231,9 +262,11 @@ def part_accuracy(args, speedup: float) -> List[Dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", default=["token_keep", "packing", "accuracy"],
-                   choices=["baseline", "token_keep", "packing", "accuracy"])
+                   choices=["baseline", "token_keep", "packing", "accuracy", "coord_aug"])
     p.add_argument("--baseline", default="HEAD", help="git revision to compare the main job's throughput with")
     p.add_argument("--pes", nargs="+", default=["sincos2d", "rope_mixed", "rel_bias"])
+    p.add_argument("--aug-pes", nargs="+", default=["sincos2d", "rope_axial", "rope_mixed", "lookhere", "learned", "fire"],
+                   help="coord_aug: the PEs measured (the study's FAMILY:aug rows)")
     p.add_argument("--keeps", nargs="+", type=float, default=[1.0, 0.5, 0.25])
     p.add_argument("--iters", type=int, default=5, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=6)
@@ -243,7 +276,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny settings: seconds")
     args = p.parse_args(argv)
     if args.smoke:
-        args.iters, args.rounds, args.pes, args.keeps, args.epochs = 1, 1, ["rope_mixed"], [1.0, 0.5], 1
+        args.iters, args.rounds, args.pes, args.aug_pes, args.keeps, args.epochs = 1, 1, ["rope_mixed"], ["rope_mixed"], [1.0, 0.5], 1
         for a in ARCHS.values():
             a.update(embed_dim=24, depth=1, num_heads=2)
     out = Path(args.out)
@@ -257,7 +290,8 @@ def main(argv=None) -> int:
             print(f"[accuracy] half the tokens trains {speedup:.2f}x faster (token_keep part{'' if measured else ': not run, assumed'})")
             part_accuracy(args, speedup)
         else:
-            merge(out, part, {"baseline": part_baseline, "token_keep": part_token_keep, "packing": part_packing}[part](args))
+            merge(out, part, {"baseline": part_baseline, "token_keep": part_token_keep, "packing": part_packing,
+                             "coord_aug": part_coord_aug}[part](args))
     print(f"results: {out / 'per_image.json'}, {out / 'per_image.md'}")
     return 0
 
