@@ -224,3 +224,27 @@ def test_content_keep_is_a_forward_given_those_tokens_in_training_and_evaluation
         kept_model(pack_images([torch.randn(3, 16, 16)], 4, 16))
     with pytest.raises(ValueError, match=r"content_keep must be in \(0, 1\]"):
         vitpe.VisionTransformer(content_keep=1.5, **kw)
+
+
+@pytest.mark.parametrize("mode", ["interpolate", "extrapolate", "normalize"])
+@pytest.mark.parametrize("pe", ["fire", "cpb", "rel_bias", "lookhere"])
+def test_per_image_lattices_give_the_every_pair_bias(pe, mode, monkeypatch):
+    # Augmented (and token-dropped) images are each still a lattice: the bias families evaluate their function at each
+    # image's (2h-1)(2w-1) distinct offsets and gather. It must equal evaluating it at every pair.
+    import vitpe.pos_embed.bias as bias_module
+
+    enc = vitpe.build_pos_embed(pe, dim=32, num_heads=4, ref_grid=(4, 4), depth=2)
+    shared = vitpe.PatchGrid.create((6, 5), (4, 4), mode)
+    torch.manual_seed(0)
+    grids = {"augmented": vitpe.CoordAugment(shift=1.0, rescale=2.0, jitter=1.25)(shared, 3)}
+    grids["augmented, dropped"] = grids["augmented"].keep_random(0.5)
+    for name, grid in grids.items():
+        assert bias_module._row_lattices(grid) is not None, name  # the fast path is taken
+        fast = enc.bias(grid)
+        with monkeypatch.context() as patched:
+            patched.setattr(bias_module, "_row_lattices", lambda grid: None)
+            every_pair = enc.bias(grid)
+        assert fast.shape == every_pair.shape and fast.shape[-2:] == grid.coords.shape[1:2] * 2
+        torch.testing.assert_close(fast, every_pair, atol=1e-5, rtol=1e-5, msg=f"{pe} {mode} {name}")
+    per_token = grids["augmented"].augmented(torch.rand(3, 30, 4) + 0.5)  # a different affine per token: no lattice
+    assert bias_module._row_lattices(per_token) is None

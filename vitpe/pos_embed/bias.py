@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.init import trunc_normal_
 
-from ..coords import PatchGrid, Size2, patch_units
+from ..coords import PatchGrid, Size2, cell_coords, patch_units
 from .base import PosEmbed
 from .functional import (
     fire_features,
@@ -25,14 +25,39 @@ from .registry import register_pos_embed
 __all__ = ["RelativePositionBias", "ContinuousPositionBias", "FIRE", "LookHere"]
 
 
+def _row_lattices(grid) -> Tuple[Tensor, Tensor] | None:
+    """Per-image coordinates in which every row is one image of the same ``(h, w)`` grid, scaled and shifted per image
+    (``coord_aug``) and perhaps token-dropped, are still one lattice per row: its ``(2h-1)(2w-1)`` distinct offsets
+    ``(B, K, 2)`` and the index ``(B, N, N)`` that spreads them, so that a bias function runs ``K`` times per image
+    instead of at all ``N^2`` pairs (FIRE's MLP: 225 inputs per 8x8 image, not 4,096). None for anything else: packed
+    rows, coordinates given directly, per-token affines, and under ``torch.compile`` (its checks read data)."""
+    if (not grid.batched or grid.cells is None or grid.segments is not None or grid.canvas is None or grid.mode is None
+            or torch.compiler.is_compiling()):
+        return None
+    if grid.affine is not None and not bool((grid.affine == grid.affine[:, :1]).all()):
+        return None
+    h, w = grid.canvas  # from_grid: every row an image of this size (packing, the one other maker, sets segments)
+    dev = grid.coords.device
+    unit = torch.tensor([[0, 0], [1, 1]], device=dev)  # the step of one cell, per axis, in this grid's mode
+    step = cell_coords(unit, torch.tensor([w, h], device=dev), grid.ref, grid.mode, torch.float64).diff(dim=0)  # (1, 2)
+    scale = torch.ones_like(grid.coords[:, :1]) if grid.affine is None else grid.affine[:, :1, :2]  # (B, 1, 2)
+    offsets = lattice_offsets((h, w), (1.0, 1.0), dev).flatten(0, 1).double() * step  # (K, 2)
+    offsets = (offsets.to(grid.coords.dtype) * scale).to(grid.coords.dtype)  # (B, K, 2)
+    rel = grid.cells[:, :, None] - grid.cells[:, None, :]  # (B, N, N, 2) query minus key, in cells
+    index = (rel[..., 1] + h - 1) * (2 * w - 1) + (rel[..., 0] + w - 1)
+    return patch_units(offsets, grid, offsets=True), index
+
+
 def _offsets_and_index(pe: PosEmbed, grid: PatchGrid) -> Tuple[Tensor, Tensor | None]:
     """Offsets (in reference patches) at which a bias function must be evaluated, and how to spread them over ``(N, N)``.
 
-    On a uniform lattice there are only ``(2h-1)(2w-1)`` distinct offsets, gathered by Swin's index;
-    for irregular or per-image coordinates every pair is evaluated (``index`` is None): ``(..., N, N, 2)``.
+    On a uniform lattice there are only ``(2h-1)(2w-1)`` distinct offsets, gathered by Swin's index; so on per-image
+    lattices (:func:`_row_lattices`), with one index per row. For irregular coordinates every pair is evaluated
+    (``index`` is None): ``(..., N, N, 2)``.
     """
     if grid.spacing is None:
-        return patch_units(relative_offsets(grid.coords), grid, offsets=True), None
+        lattices = _row_lattices(grid)
+        return lattices if lattices is not None else (patch_units(relative_offsets(grid.coords), grid, offsets=True), None)
 
     def build():
         offsets = patch_units(lattice_offsets(grid.size, grid.spacing, grid.coords.device), grid, offsets=True)
@@ -42,8 +67,11 @@ def _offsets_and_index(pe: PosEmbed, grid: PatchGrid) -> Tuple[Tensor, Tensor | 
 
 
 def _spread(values: Tensor, index: Tensor | None) -> Tensor:
-    """``values``: ``(2h-1, 2w-1, H)`` with an index, or ``(..., N, N, H)`` without; returns ``(..., H, N, N)``."""
-    if index is not None:
+    """``values``: ``(2h-1, 2w-1, H)`` with an ``(N, N)`` index, ``(B, K, H)`` with a ``(B, N, N)`` one (one lattice per
+    row), or ``(..., N, N, H)`` without; returns ``(..., H, N, N)``."""
+    if index is not None and index.dim() == 3:
+        values = values[torch.arange(index.shape[0], device=index.device)[:, None, None], index]  # (B, N, N, H)
+    elif index is not None:
         values = values.flatten(0, 1)[index]  # (N, N, H)
     return values.movedim(-1, -3)
 
@@ -117,7 +145,9 @@ def _pairwise(pe: PosEmbed, grid: PatchGrid) -> Tuple[Tensor, Tensor | None, Ten
     ``(2,)`` for a shared grid, ``(B, N, 1, 2)`` per image."""
     offsets, index = _offsets_and_index(pe, grid)
     extent = patch_units(grid.extent(), grid, offsets=True)
-    return offsets, index, (extent[:, :, None] if grid.batched else extent)
+    if not grid.batched:
+        return offsets, index, extent
+    return offsets, index, (extent[:, :1] if index is not None else extent[:, :, None])  # per row, or per query
 
 
 @register_pos_embed("fire")
@@ -190,7 +220,9 @@ class LookHere(PosEmbed):
         def build():
             offsets, index = _offsets_and_index(self, grid)
             values = lookhere_bias(offsets.to(self.slopes), self.directions, self.fov, self.slopes)  # (L, ..., H)
-            if index is not None:
+            if index is not None and index.dim() == 3:  # one lattice per row: values (L, B, K, H)
+                values = values[:, torch.arange(index.shape[0], device=index.device)[:, None, None], index]  # (L, B, N, N, H)
+            elif index is not None:
                 values = values.flatten(1, 2)[:, index]  # (L, N, N, H)
             return values.movedim(-1, -3)  # (L, [B], H, N, N)
 
