@@ -5,6 +5,7 @@
     python benchmarks/per_image.py --parts token_keep packing            # speed, side by side in one process
     python benchmarks/per_image.py --parts accuracy --seeds 0 1          # Fashion-MNIST at equal wall time, r = 1 vs 0.5
     python benchmarks/per_image.py --parts coord_aug                     # the study's coordinate augmentation: its cost
+    python benchmarks/per_image.py --parts baseline --baseline REV --with-coord-aug --pes fire   # ... this tree / REV
     python benchmarks/per_image.py --smoke                               # seconds: checks the script still runs
 
 ``baseline`` imports REV's vitpe (a git worktree) beside this tree's and alternates their training steps in one
@@ -113,9 +114,11 @@ def part_baseline(args) -> List[Dict]:
     base = load_baseline(args.baseline)
     rows = []
     arch = MAIN_JOB
+    kw = {"coord_aug": study_coord_aug()} if args.with_coord_aug else {}
     for pe in args.pes:
         # A second copy of this tree's model is the control: its ratio to the first is what the harness alone shows.
-        fns = {"this tree": recipe_step(vitpe, arch, pe), "baseline": recipe_step(base, arch, pe), "this tree again": recipe_step(vitpe, arch, pe)}
+        fns = {"this tree": recipe_step(vitpe, arch, pe, **kw), "baseline": recipe_step(base, arch, pe, **kw),
+               "this tree again": recipe_step(vitpe, arch, pe, **kw)}
         times = alternate(fns, args.iters, args.rounds, torch.device("cpu"))
         r, control = ratio(times, "baseline", "this tree"), ratio(times, "this tree again", "this tree")
         rows.append({"arch": arch, "pe": pe, "this_img_s": 128 / statistics.median(times["this tree"]),
@@ -123,7 +126,7 @@ def part_baseline(args) -> List[Dict]:
                      "throughput_ratio": r["median"], "ratio_min": r["min"], "ratio_max": r["max"],
                      "fastest_round_ratio": min(times["baseline"]) / min(times["this tree"]), "control_ratio": control["median"],
                      "control_min": control["min"], "control_max": control["max"], "rounds": args.rounds, "steps_per_round": args.iters,
-                     "baseline": args.baseline})
+                     "baseline": args.baseline, "coord_aug": bool(kw)})
         print(f"[baseline] {pe}: this tree / {args.baseline} = {r['median']:.3f} (rounds {r['min']:.3f}..{r['max']:.3f}; fastest rounds "
               f"{rows[-1]['fastest_round_ratio']:.3f}); control, this tree / itself = {control['median']:.3f}")
     return rows
@@ -264,8 +267,10 @@ def main(argv=None) -> int:
     p.add_argument("--parts", nargs="+", default=["token_keep", "packing", "accuracy"],
                    choices=["baseline", "token_keep", "packing", "accuracy", "coord_aug"])
     p.add_argument("--baseline", default="HEAD", help="git revision to compare the main job's throughput with")
+    p.add_argument("--with-coord-aug", action="store_true",
+                   help="baseline: both sides train with the study's coordinate augmentation (results: part baseline_coord_aug)")
     p.add_argument("--pes", nargs="+", default=["sincos2d", "rope_mixed", "rel_bias"])
-    p.add_argument("--aug-pes", nargs="+", default=["sincos2d", "rope_axial", "rope_mixed", "lookhere", "learned", "fire"],
+    p.add_argument("--aug-pes", nargs="+", default=["sincos2d", "rope_axial", "rope_mixed", "lookhere", "learned", "fire", "cpb", "rel_bias"],
                    help="coord_aug: the PEs measured (the study's FAMILY:aug rows)")
     p.add_argument("--keeps", nargs="+", type=float, default=[1.0, 0.5, 0.25])
     p.add_argument("--iters", type=int, default=5, help="steps per timed round")
@@ -290,8 +295,8 @@ def main(argv=None) -> int:
             print(f"[accuracy] half the tokens trains {speedup:.2f}x faster (token_keep part{'' if measured else ': not run, assumed'})")
             part_accuracy(args, speedup)
         else:
-            merge(out, part, {"baseline": part_baseline, "token_keep": part_token_keep, "packing": part_packing,
-                             "coord_aug": part_coord_aug}[part](args))
+            rows = {"baseline": part_baseline, "token_keep": part_token_keep, "packing": part_packing, "coord_aug": part_coord_aug}[part](args)
+            merge(out, "baseline_coord_aug" if part == "baseline" and args.with_coord_aug else part, rows)
     print(f"results: {out / 'per_image.json'}, {out / 'per_image.md'}")
     return 0
 
