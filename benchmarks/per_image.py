@@ -6,11 +6,13 @@
     python benchmarks/per_image.py --parts accuracy --seeds 0 1          # Fashion-MNIST at equal wall time, r = 1 vs 0.5
     python benchmarks/per_image.py --parts coord_aug                     # the study's coordinate augmentation: its cost
     python benchmarks/per_image.py --parts baseline --baseline REV --with-coord-aug --pes fire   # ... this tree / REV
+    python benchmarks/per_image.py --parts lattice                       # bias families on packed rows: lattice / every pair
     python benchmarks/per_image.py --smoke                               # seconds: checks the script still runs
 
 ``baseline`` imports REV's vitpe (a git worktree) beside this tree's and alternates their training steps in one
 process, A B A B, reporting the median of the per-round ratios. ``token_keep`` and ``packing`` alternate in one process
-(vitpe.timing). ``coord_aug`` alternates training steps of the main job's model without a PE, with PE P, and with P
+(vitpe.timing). ``lattice`` alternates packed training steps of the bias families with their per-image lattice path
+and with it switched off (every pair evaluated), with a second lattice copy as the control. ``coord_aug`` alternates training steps of the main job's model without a PE, with PE P, and with P
 and the resolution-transfer study's per-image coordinate augmentation (its ``AUG``). ``accuracy`` trains
 configs/fashion_mnist_cpu.yaml with every token for E epochs and with half the tokens for E x (measured speed-up)
 epochs, so both take the same wall time. Results go to OUT/per_image.json
@@ -240,6 +242,49 @@ def part_packing(args) -> List[Dict]:
     return rows
 
 
+def part_lattice(args) -> List[Dict]:
+    """Packed mixed-size training steps (the first packing setup, each image with the study's coordinate augmentation)
+    of each bias family on its per-image lattice path against the same steps evaluating every pair, in one process."""
+    import vitpe.pos_embed.bias as bias_module
+
+    ds = load_dataset("shapes", train_size=2048, test_size=64)
+    arch, (setup, sides, budget) = BENCH_192, PACKING_SETUPS[0]
+    p = ARCHS[arch]["patch_size"]
+    torch.manual_seed(0)
+    sizes = draw_sizes(64, sides, p)
+    packed = mixed_batch(ds, True, torch.arange(64), sizes, p, budget)
+    labels = ds.split(True)[1][:64]
+    lattice = bias_module._row_lattices
+
+    def every_pair(step: Callable[[], None]) -> Callable[[], None]:
+        def run():
+            bias_module._row_lattices = lambda grid: None
+            try:
+                step()
+            finally:
+                bias_module._row_lattices = lattice
+        return run
+
+    rows = []
+    for pe in args.lattice_pes:
+        steps = []
+        for _ in range(3):
+            torch.manual_seed(0)
+            model = vitpe.VisionTransformer(**{**ARCHS[arch], "pos_embed": pe, "coord_aug": study_coord_aug()}, num_classes=10)
+            steps.append(train_step(model, lambda: (packed, labels, {})))
+        assert lattice(vitpe.CoordAugment(**study_coord_aug())(packed.grid)) is not None  # the lattice side takes it
+        fns = {"lattice": steps[0], "every pair": every_pair(steps[1]), "lattice again": steps[2]}
+        times = alternate(fns, args.iters, args.rounds, torch.device("cpu"))
+        r, control = ratio(times, "every pair", "lattice"), ratio(times, "lattice again", "lattice")
+        rows.append({"arch": arch, "setup": setup, "pe": pe, "images": 64, "rows": packed.patches.shape[0],
+                     "images_per_row": packed.grid.images_per_row, "lattice_img_s": 64 / statistics.median(times["lattice"]),
+                     "every_pair_img_s": 64 / statistics.median(times["every pair"]), "speedup": r["median"], "speedup_min": r["min"],
+                     "speedup_max": r["max"], "control": control["median"], "rounds": args.rounds, "steps_per_round": args.iters})
+        print(f"[lattice] {pe}, {setup}: {rows[-1]['lattice_img_s']:.0f} img/s on lattices, {rows[-1]['every_pair_img_s']:.0f} at every "
+              f"pair: {r['median']:.2f}x (rounds {r['min']:.2f}..{r['max']:.2f}); control {control['median']:.3f}")
+    return rows
+
+
 def part_accuracy(args, speedup: float) -> List[Dict]:
     """Fashion-MNIST (real, full test set, last epoch) at equal wall time: every token for E epochs, half for E x speed-up."""
     out = Path(args.out) / "runs"
@@ -265,13 +310,14 @@ def part_accuracy(args, speedup: float) -> List[Dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", default=["token_keep", "packing", "accuracy"],
-                   choices=["baseline", "token_keep", "packing", "accuracy", "coord_aug"])
+                   choices=["baseline", "token_keep", "packing", "accuracy", "coord_aug", "lattice"])
     p.add_argument("--baseline", default="HEAD", help="git revision to compare the main job's throughput with")
     p.add_argument("--with-coord-aug", action="store_true",
                    help="baseline: both sides train with the study's coordinate augmentation (results: part baseline_coord_aug)")
     p.add_argument("--pes", nargs="+", default=["sincos2d", "rope_mixed", "rel_bias"])
     p.add_argument("--aug-pes", nargs="+", default=["sincos2d", "rope_axial", "rope_mixed", "lookhere", "learned", "fire", "cpb", "rel_bias"],
                    help="coord_aug: the PEs measured (the study's FAMILY:aug rows)")
+    p.add_argument("--lattice-pes", nargs="+", default=["fire", "cpb", "rel_bias", "lookhere"], help="lattice: the bias families measured")
     p.add_argument("--keeps", nargs="+", type=float, default=[1.0, 0.5, 0.25])
     p.add_argument("--iters", type=int, default=5, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=6)
@@ -282,6 +328,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.iters, args.rounds, args.pes, args.aug_pes, args.keeps, args.epochs = 1, 1, ["rope_mixed"], ["rope_mixed"], [1.0, 0.5], 1
+        args.lattice_pes = ["fire"]
         for a in ARCHS.values():
             a.update(embed_dim=24, depth=1, num_heads=2)
     out = Path(args.out)
@@ -295,7 +342,7 @@ def main(argv=None) -> int:
             print(f"[accuracy] half the tokens trains {speedup:.2f}x faster (token_keep part{'' if measured else ': not run, assumed'})")
             part_accuracy(args, speedup)
         else:
-            rows = {"baseline": part_baseline, "token_keep": part_token_keep, "packing": part_packing, "coord_aug": part_coord_aug}[part](args)
+            rows = {"baseline": part_baseline, "token_keep": part_token_keep, "packing": part_packing, "coord_aug": part_coord_aug, "lattice": part_lattice}[part](args)
             merge(out, "baseline_coord_aug" if part == "baseline" and args.with_coord_aug else part, rows)
     print(f"results: {out / 'per_image.json'}, {out / 'per_image.md'}")
     return 0

@@ -183,11 +183,13 @@ def test_accuracy_smoke(tmp_path):
 
 
 def test_per_image_smoke(tmp_path):
-    assert load("per_image").main(["--smoke", "--parts", "token_keep", "packing", "coord_aug", "--out", str(tmp_path)]) == 0
+    assert load("per_image").main(["--smoke", "--parts", "token_keep", "packing", "coord_aug", "lattice", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "per_image.json").read_text())
     aug = data["coord_aug"][0]  # the study's own augmentation, timed against the same PE without it and against none
     assert aug["pe"] == "rope_mixed" and json.loads(aug["coord_aug"]) == {"shift": 1.0, "rescale": 2.0, "jitter": 1.25}
     assert aug["aug_img_s"] > 0 and aug["aug_over_pe"] > 0
+    lattice = data["lattice"][0]  # packed rows of several images each, lattice path against every pair
+    assert lattice["pe"] == "fire" and lattice["images_per_row"] > 1 and lattice["speedup"] > 0
     keeps = {(r["arch"], r["token_keep"]) for r in data["token_keep"]}
     assert len(keeps) == 6 and all(r["img_s"] > 0 for r in data["token_keep"])  # three architectures, r = 1 and 0.5
     assert {r["setup"] for r in data["packing"]} == {"16-48 px, rows of 144 tokens", "16-32 px, rows of 64 tokens", "16-32 px, rows of 128 tokens"}

@@ -238,6 +238,11 @@ def test_per_image_lattices_give_the_every_pair_bias(pe, mode, monkeypatch):
     torch.manual_seed(0)
     grids = {"augmented": vitpe.CoordAugment(shift=1.0, rescale=2.0, jitter=1.25)(shared, 3)}
     grids["augmented, dropped"] = grids["augmented"].keep_random(0.5)
+    # NaViT: images of several sizes and aspect ratios in one row, each its own lattice (own step in interpolate and
+    # normalize mode, own augmentation, own extent for FIRE), some tokens dropped, two padding tokens.
+    packed = pack_images([torch.randn(3, 4 * h, 4 * w) for h, w in [(6, 5), (3, 4), (2, 6), (5, 5)]], 4, 48,
+                         token_keep=0.75, ref_grid=(4, 4), coord_mode=mode).grid
+    grids["packed, augmented, dropped"] = vitpe.CoordAugment(shift=1.0, rescale=2.0, jitter=1.25)(packed)
     for name, grid in grids.items():
         assert bias_module._row_lattices(grid) is not None, name  # the fast path is taken
         fast = enc.bias(grid)
@@ -245,6 +250,10 @@ def test_per_image_lattices_give_the_every_pair_bias(pe, mode, monkeypatch):
             patched.setattr(bias_module, "_row_lattices", lambda grid: None)
             every_pair = enc.bias(grid)
         assert fast.shape == every_pair.shape and fast.shape[-2:] == grid.coords.shape[1:2] * 2
+        if grid.segments is not None:  # pairs across packed images are masked out in attention: only their own count
+            same = (grid.segments[:, :, None] == grid.segments[:, None, :]) & (grid.segments[:, :, None] >= 0)
+            assert grid.segments.amax() > 0 and (~same).any()
+            fast, every_pair = fast.movedim(-3, -1)[..., same, :], every_pair.movedim(-3, -1)[..., same, :]
         torch.testing.assert_close(fast, every_pair, atol=1e-5, rtol=1e-5, msg=f"{pe} {mode} {name}")
     per_token = grids["augmented"].augmented(torch.rand(3, 30, 4) + 0.5)  # a different affine per token: no lattice
     assert bias_module._row_lattices(per_token) is None

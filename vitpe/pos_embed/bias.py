@@ -25,26 +25,50 @@ from .registry import register_pos_embed
 __all__ = ["RelativePositionBias", "ContinuousPositionBias", "FIRE", "LookHere"]
 
 
+def _per_slot(grid, values: Tensor) -> Tensor:
+    """Per-token ``values`` ``(B, N, C)`` as one row per image: ``(B, K, C)``, ``K`` images per row (slot order; 1 unless
+    packed). Every token of an image carries the same value (its image's size or augmentation), so any one will do."""
+    if grid.segments is None:
+        return values[:, :1]
+    k = grid.images_per_row
+    slot = torch.where(grid.segments < 0, k, grid.segments)  # padding: a spare slot, dropped below
+    table = values.new_zeros(values.shape[0], k + 1, values.shape[-1])
+    return table.scatter(1, slot[..., None].expand_as(values), values)[:, :k]
+
+
 def _row_lattices(grid) -> Tuple[Tensor, Tensor] | None:
-    """Per-image coordinates in which every row is one image of the same ``(h, w)`` grid, scaled and shifted per image
-    (``coord_aug``) and perhaps token-dropped, are still one lattice per row: its ``(2h-1)(2w-1)`` distinct offsets
-    ``(B, K, 2)`` and the index ``(B, N, N)`` that spreads them, so that a bias function runs ``K`` times per image
-    instead of at all ``N^2`` pairs (FIRE's MLP: 225 inputs per 8x8 image, not 4,096). None for anything else: packed
-    rows, coordinates given directly, per-token affines, and under ``torch.compile`` (its checks read data)."""
-    if (not grid.batched or grid.cells is None or grid.segments is not None or grid.canvas is None or grid.mode is None
+    """Per-image coordinates in which every image is a lattice of its own grid, scaled and shifted per image
+    (``coord_aug``), perhaps token-dropped, perhaps packed with others into one row (NaViT), have few distinct offsets:
+    an image of at most ``(h, w)`` patches (the row's canvas) has at most ``(2h-1)(2w-1)``. Returns those offsets for
+    each of the ``K`` images of each row, ``(B, K (2h-1)(2w-1), 2)``, and the index ``(B, N, N)`` that spreads them
+    (a query's own image's block; pairs across images index anything, as the packing mask drops them), so that a bias
+    function runs ``K (2h-1)(2w-1)`` times per row instead of at all ``N^2`` pairs (FIRE's MLP: 225 inputs per 8x8
+    image, not 4,096). None for anything else: coordinates given directly, per-token affines, under
+    ``torch.compile`` (its checks read data), and packed rows where every pair is fewer."""
+    if (not grid.batched or grid.cells is None or grid.canvas is None or grid.mode is None
             or torch.compiler.is_compiling()):
         return None
-    if grid.affine is not None and not bool((grid.affine == grid.affine[:, :1]).all()):
+    h, w = grid.canvas
+    k = grid.images_per_row if grid.segments is not None else 1
+    n = grid.coords.shape[1]
+    if k * (2 * h - 1) * (2 * w - 1) >= n * n:
         return None
-    h, w = grid.canvas  # from_grid: every row an image of this size (packing, the one other maker, sets segments)
     dev = grid.coords.device
+    per_token = torch.cat([grid.sizes.to(torch.float64), torch.ones_like(grid.coords[..., :2], dtype=torch.float64)
+                           if grid.affine is None else grid.affine[..., :2].double()], -1)  # (B, N, 4): w, h, sx, sy
+    per_image = _per_slot(grid, per_token)  # (B, K, 4)
+    slot = torch.zeros_like(grid.cells[..., 0]) if grid.segments is None else grid.segments.clamp(min=0)
+    mine = per_image.gather(1, slot[..., None].expand(-1, -1, 4))
+    real = torch.ones_like(slot, dtype=torch.bool) if grid.segments is None else grid.segments >= 0
+    if not bool((mine == per_token)[real].all()):  # an affine per token, not per image: no lattice
+        return None
+    sizes, scale = per_image[..., :2], per_image[..., 2:]
     unit = torch.tensor([[0, 0], [1, 1]], device=dev)  # the step of one cell, per axis, in this grid's mode
-    step = cell_coords(unit, torch.tensor([w, h], device=dev), grid.ref, grid.mode, torch.float64).diff(dim=0)  # (1, 2)
-    scale = torch.ones_like(grid.coords[:, :1]) if grid.affine is None else grid.affine[:, :1, :2]  # (B, 1, 2)
-    offsets = lattice_offsets((h, w), (1.0, 1.0), dev).flatten(0, 1).double() * step  # (K, 2)
-    offsets = (offsets.to(grid.coords.dtype) * scale).to(grid.coords.dtype)  # (B, K, 2)
+    step = cell_coords(unit, sizes[:, :, None], grid.ref, grid.mode, torch.float64).diff(dim=-2)  # (B, K, 1, 2)
+    cells = lattice_offsets((h, w), (1.0, 1.0), dev).flatten(0, 1).double()  # (KK, 2) in cells
+    offsets = (cells * step * scale[:, :, None]).flatten(1, 2).to(grid.coords.dtype)  # (B, K KK, 2)
     rel = grid.cells[:, :, None] - grid.cells[:, None, :]  # (B, N, N, 2) query minus key, in cells
-    index = (rel[..., 1] + h - 1) * (2 * w - 1) + (rel[..., 0] + w - 1)
+    index = slot[:, :, None] * ((2 * h - 1) * (2 * w - 1)) + (rel[..., 1] + h - 1) * (2 * w - 1) + (rel[..., 0] + w - 1)
     return patch_units(offsets, grid, offsets=True), index
 
 
@@ -141,13 +165,16 @@ class ContinuousPositionBias(PosEmbed):
 
 
 def _pairwise(pe: PosEmbed, grid: PatchGrid) -> Tuple[Tensor, Tensor | None, Tensor]:
-    """:func:`_offsets_and_index` plus each query's image extent (the normaliser), in reference patches:
-    ``(2,)`` for a shared grid, ``(B, N, 1, 2)`` per image."""
+    """:func:`_offsets_and_index` plus the image extent (the normaliser) of each offset, in reference patches: ``(2,)``
+    for a shared grid, ``(B, N, 1, 2)`` per query for every pair, ``(B, K (2h-1)(2w-1), 2)`` on per-image lattices."""
     offsets, index = _offsets_and_index(pe, grid)
     extent = patch_units(grid.extent(), grid, offsets=True)
     if not grid.batched:
         return offsets, index, extent
-    return offsets, index, (extent[:, :1] if index is not None else extent[:, :, None])  # per row, or per query
+    if index is None:
+        return offsets, index, extent[:, :, None]  # per query
+    per_image = _per_slot(grid, extent)  # (B, K, 2): each image's lattice offsets take its own extent
+    return offsets, index, per_image.repeat_interleave(offsets.shape[1] // per_image.shape[1], dim=1)
 
 
 @register_pos_embed("fire")
