@@ -155,16 +155,21 @@ def test_per_image_coordinate_and_packing_errors():
 
 
 @pytest.mark.parametrize("pe", ["learned+rope_mixed+rel_bias+peg"])  # a token, a rotary, a bias and a conditional part
-def test_every_per_image_path_traces_without_graph_breaks(pe):
+def test_every_per_image_path_traces_without_graph_breaks(pe, monkeypatch):
     """torch.compile sees through the PE context: no cache keyed on data_ptr/_version, no data-dependent reads."""
     import torch._dynamo as dynamo
+    import vitpe.pos_embed.bias as bias_module
 
+    lattice, taken = bias_module._row_lattices, []
+    monkeypatch.setattr(bias_module, "_row_lattices", lambda grid: taken.append(lattice(grid)) or taken[-1])
     m = small(pe, coord_aug={"shift": 1.0}).train()
     x = torch.randn(4, 3, 16, 16)
     packed = pack_images([torch.randn(3, h, w) for h, w in SIZES], 4, 40)
     for run in (lambda: m(x), lambda: m(x, token_keep=0.5), lambda: m(packed)):
+        taken.clear()
         explained = dynamo.explain(lambda: run().sum())()
         assert explained.graph_break_count == 0, explained.break_reasons
+        assert taken and all(t is not None for t in taken)  # per-image augmented (and packed) grids: the lattice path, traced
     m.eval()
     compiled = torch.compile(m, backend="aot_eager")  # traced, without needing a C++ compiler
     torch.testing.assert_close(compiled(packed), m(packed), atol=1e-5, rtol=1e-5)

@@ -266,6 +266,9 @@ class TokenGrid:
     images: Optional[Tensor] = None
     images_per_row: int = 1
     canvas: Optional[Tuple[int, int]] = None  # (h, w) of the largest image grid, known where the grid is made
+    # Every image's tokens share one affine, so each image is still a lattice (the bias families' fast path); known
+    # where the affine is made, so that nothing reads data to find it out (torch.compile traces it).
+    affine_per_image: bool = True
     batched: ClassVar[bool] = True
     key: ClassVar[None] = None
     spacing: ClassVar[None] = None
@@ -320,18 +323,23 @@ class TokenGrid:
         """Each token's image centre in this grid's coordinate mode (what rescaling is about)."""
         return cell_coords((self.sizes - 1).double() / 2, self.sizes, self.ref, self.mode)
 
-    def augmented(self, affine: Tensor) -> "TokenGrid":
+    def augmented(self, affine: Tensor, per_image: bool = False) -> "TokenGrid":
         """Scale ``(sx, sy)`` about each image's centre, then shift ``(tx, ty)``: ``affine`` ``(B, 4)`` one per row, or
-        ``(B, N, 4)`` per token (one per image in a packed row); composed with an earlier augmentation."""
+        ``(B, N, 4)`` per token; composed with an earlier augmentation. ``per_image=True`` promises that a per-token
+        ``affine`` is one per image (equal over each image's tokens, as :class:`CoordAugment` draws for a packed row):
+        the bias families then keep their per-image lattice path instead of evaluating every pair."""
         if self.cells is None:
             raise ValueError("augmenting per-image coordinates needs their grid cells (a TokenGrid from from_grid or packing)")
         affine = affine.to(self.coords.device, torch.float32)
+        per_image = per_image or affine.dim() == 2 or (affine.dim() == 3 and self.segments is None and affine.shape[1] == 1)
         if affine.dim() == 2:
-            affine = affine[:, None].expand(-1, self.coords.shape[1], -1)
+            affine = affine[:, None]
+        affine = affine.expand(-1, self.coords.shape[1], -1)
         coords = _affine(self.coords, self._centres(), affine)
         if self.affine is not None:  # scaling about the centre keeps the earlier shift: scales multiply, shifts add
             affine = torch.cat([self.affine[..., :2] * affine[..., :2], self.affine[..., 2:] + affine[..., 2:]], -1)
-        return dataclasses.replace(self, coords=coords, affine=affine)
+        per_image = per_image and (self.affine is None or self.affine_per_image)
+        return dataclasses.replace(self, coords=coords, affine=affine, affine_per_image=per_image)
 
     def in_mode(self, mode: Optional[str]) -> "TokenGrid":
         """The same tokens with coordinates in coordinate mode ``mode`` (``None``: unchanged), augmentation kept."""
@@ -343,7 +351,7 @@ class TokenGrid:
                 "directly (TokenGrid.from_coords): drop the part's coord_mode"
             )
         grid = dataclasses.replace(self, coords=cell_coords(self.cells, self.sizes, self.ref, mode), mode=mode, affine=None)
-        return grid if self.affine is None else grid.augmented(self.affine)
+        return grid if self.affine is None else grid.augmented(self.affine, self.affine_per_image)
 
     def take(self, index: Tensor) -> "TokenGrid":
         """The tokens ``index`` ``(B, n)`` of each row (token dropping), every per-token field with them."""
@@ -368,7 +376,7 @@ class TokenGrid:
         if self.cells is None:
             raise ValueError(f"coordinates given directly are in units of ref grid {self.ref}; the model's is {ref}")
         grid = dataclasses.replace(self, ref=ref, mode=None, affine=None).in_mode(mode)
-        return grid if self.affine is None else grid.augmented(self.affine)
+        return grid if self.affine is None else grid.augmented(self.affine, self.affine_per_image)
 
     def to(self, device: torch.device) -> "TokenGrid":
         move = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)}
@@ -423,4 +431,4 @@ class CoordAugment:
         rows, k = grid.coords.shape[0], grid.images_per_row
         table = self.draw(rows * k + 1).to(grid.coords.device)  # one per (row, slot); padding takes the last
         slot = torch.where(grid.segments < 0, rows * k, torch.arange(rows, device=table.device)[:, None] * k + grid.segments)
-        return grid.augmented(table[slot])
+        return grid.augmented(table[slot], per_image=True)

@@ -43,10 +43,10 @@ def _row_lattices(grid) -> Tuple[Tensor, Tensor] | None:
     each of the ``K`` images of each row, ``(B, K (2h-1)(2w-1), 2)``, and the index ``(B, N, N)`` that spreads them
     (a query's own image's block; pairs across images index anything, as the packing mask drops them), so that a bias
     function runs ``K (2h-1)(2w-1)`` times per row instead of at all ``N^2`` pairs (FIRE's MLP: 225 inputs per 8x8
-    image, not 4,096). None for anything else: coordinates given directly, per-token affines, under
-    ``torch.compile`` (its checks read data), and packed rows where every pair is fewer."""
-    if (not grid.batched or grid.cells is None or grid.canvas is None or grid.mode is None
-            or torch.compiler.is_compiling()):
+    image, not 4,096). None for anything else: coordinates given directly, per-token affines
+    (``TokenGrid.affine_per_image``), and packed rows where every pair is fewer. Nothing here reads data, so
+    ``torch.compile`` traces it."""
+    if not grid.batched or grid.cells is None or grid.canvas is None or grid.mode is None or not grid.affine_per_image:
         return None
     h, w = grid.canvas
     k = grid.images_per_row if grid.segments is not None else 1
@@ -58,10 +58,6 @@ def _row_lattices(grid) -> Tuple[Tensor, Tensor] | None:
                            if grid.affine is None else grid.affine[..., :2].double()], -1)  # (B, N, 4): w, h, sx, sy
     per_image = _per_slot(grid, per_token)  # (B, K, 4)
     slot = torch.zeros_like(grid.cells[..., 0]) if grid.segments is None else grid.segments.clamp(min=0)
-    mine = per_image.gather(1, slot[..., None].expand(-1, -1, 4))
-    real = torch.ones_like(slot, dtype=torch.bool) if grid.segments is None else grid.segments >= 0
-    if not bool((mine == per_token)[real].all()):  # an affine per token, not per image: no lattice
-        return None
     sizes, scale = per_image[..., :2], per_image[..., 2:]
     unit = torch.tensor([[0, 0], [1, 1]], device=dev)  # the step of one cell, per axis, in this grid's mode
     step = cell_coords(unit, sizes[:, :, None], grid.ref, grid.mode, torch.float64).diff(dim=-2)  # (B, K, 1, 2)
