@@ -203,7 +203,9 @@ def test_cpu_levers_smoke(tmp_path):
     rows = json.loads((tmp_path / "cpu_levers.json").read_text())["rows"]
     assert [r["part"] for r in rows] == ["bf16", "adamw", "profile"]
     prof = rows[-1]
-    assert 0 < prof["fraction_of_peak"] < 1.5 and abs(sum(prof["share_by_kind"].values()) - 1) < 1e-6
+    # Two timings taken at different moments: beside other work their ratio can read above 1, so only its definition is checked.
+    assert prof["fraction_of_peak"] > 0 and abs(prof["fraction_of_peak"] - prof["tflop_s"] / prof["fp32_matmul_peak_tflop_s"]) < 1e-9
+    assert abs(sum(prof["share_by_kind"].values()) - 1) < 1e-6
     assert rows[0]["ratio_bf16_over_fp32"] > 0 and rows[1]["foreach_img_s"] > 0
     assert "of the fp32 matmul peak" in (tmp_path / "cpu_levers.md").read_text()
     assert load("cpu_levers").main(["--smoke", "--out", str(tmp_path / "c"), "--parts", "content", "--arch", "fmnist"]) == 0
@@ -230,3 +232,12 @@ def test_main_suite_records_its_results_and_a_later_run_of_the_recipe_compares_i
     assert "learned: " in out and f"without a PE (pos_embed=none) the same recipe reached {100 * sum(none['top1']) / 2:.1f}%" in out
     assert training.main(["--config", tiny, "--epochs", "2", "--out-dir", str(tmp_path), "--name", "other"]) == 0
     assert "without a PE" not in capsys.readouterr().out
+
+
+def test_resolution_transfer_counts_the_training_time_of_every_process_of_a_resumed_run():
+    study = load("resolution_transfer")
+    cumulative = [{"test_top1": 0.5, "wall_s": w} for w in (50.0, 100.0, 160.0)]  # vitpe now: wall_s counts across resumes
+    assert study.training_time(cumulative) == 160.0
+    restarted = [{"test_top1": 0.5, "wall_s": w} for w in (50.0, 100.0, 20.0, 70.0, 10.0)]  # older runs: reset per resume
+    assert study.training_time(restarted) == 100.0 + 70.0 + 10.0
+    assert study.convergence(restarted)["train_time_s"] == 180.0 and study.convergence(restarted)["train_wall_s"] == 10.0

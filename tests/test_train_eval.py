@@ -96,6 +96,8 @@ def test_a_signal_right_after_an_update_resumes_bit_exactly(tiny_run, tmp_path, 
     rows = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     base = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [1, 2]
+    # wall_s is the run's training time across the stop: at least every epoch's own time, never restarting from zero
+    assert rows[0]["wall_s"] >= rows[0]["epoch_s"] and rows[1]["wall_s"] >= rows[0]["wall_s"] + rows[1]["epoch_s"]
     for r, b in zip(rows, base):  # the interrupted epoch's metrics cover all its steps, not those after the resume
         assert r["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6) and r["train_acc"] == b["train_acc"]
         assert r["test_top1"] == b["test_top1"]

@@ -591,6 +591,9 @@ def train_loop(job: Job) -> int:
         + (f", keeping {cfg.train.token_keep:g} of each image's tokens" if cfg.train.token_keep < 1 else ""))
 
     started = time.time()
+    # wall_s counts this run's training across resumes: what earlier processes spent, up to the last finished epoch and
+    # on the interrupted one, plus this process's time (the time between a stop and its resume is not counted).
+    wall_origin = started - (job.rows[-1].get("wall_s", 0.0) if job.rows else 0.0) - job.partial.get("epoch_s", 0.0)
     progress = Progress(job.rank, world) if distributed else None
     with StopRequest(log) as stop:
         try:
@@ -640,7 +643,7 @@ def train_loop(job: Job) -> int:
                         beat.tick(job.step - first, f" | train loss {avg:.3f} acc {tally.correct / tally.seen:.3f}, {rate} img/s")
                     bar.update(1)
                 bar.close()
-                job.finish_epoch(tally, loss_sum, tally.epoch_s + time.time() - t_epoch, started)
+                job.finish_epoch(tally, loss_sum, tally.epoch_s + time.time() - t_epoch, wall_origin)
                 if distributed:
                     dist.barrier()
                 limit = cfg.train.time_limit_min
