@@ -138,13 +138,14 @@ def convergence(metrics: List[Dict]) -> Dict:
 
 def training_time(metrics: List[Dict]) -> float:
     """Seconds of training behind ``metrics``, over every process that trained the run. vitpe's ``wall_s`` counts across
-    resumes, so this is the last epoch's; runs trained before it did restart ``wall_s`` at each resume, and each
-    restart closes a segment (the part of an interrupted epoch before its stop is not counted for them)."""
+    resumes, so this is the last epoch's. Runs trained before it did restart ``wall_s`` at each resume: an epoch whose
+    ``wall_s`` grew by less than its own ``epoch_s`` starts a new segment, the segments are summed, and the part of the
+    interrupted epoch before its stop counts at least what its ``epoch_s`` has beyond the new segment's ``wall_s``."""
     total = last = 0.0
     for m in metrics:
-        wall = m.get("wall_s", float("nan"))
-        if wall < last:
-            total += last
+        wall, epoch = m.get("wall_s", float("nan")), m.get("epoch_s", 0.0)
+        if wall + 1e-3 < last + epoch:
+            total += last + max(0.0, epoch - wall)
         last = wall
     return total + last
 

@@ -236,8 +236,12 @@ def test_main_suite_records_its_results_and_a_later_run_of_the_recipe_compares_i
 
 def test_resolution_transfer_counts_the_training_time_of_every_process_of_a_resumed_run():
     study = load("resolution_transfer")
-    cumulative = [{"test_top1": 0.5, "wall_s": w} for w in (50.0, 100.0, 160.0)]  # vitpe now: wall_s counts across resumes
-    assert study.training_time(cumulative) == 160.0
-    restarted = [{"test_top1": 0.5, "wall_s": w} for w in (50.0, 100.0, 20.0, 70.0, 10.0)]  # older runs: reset per resume
-    assert study.training_time(restarted) == 100.0 + 70.0 + 10.0
-    assert study.convergence(restarted)["train_time_s"] == 180.0 and study.convergence(restarted)["train_wall_s"] == 10.0
+    def metrics(*walls):
+        return [{"test_top1": 0.5, "wall_s": w, "epoch_s": 40.0} for w in walls]
+
+    assert study.training_time(metrics(50.0, 100.0, 160.0)) == 160.0  # vitpe now: wall_s counts across resumes
+    # Older runs restarted wall_s at each resume, also where the first epoch after it ran longer than the one before
+    restarted = metrics(50.0, 100.0, 20.0, 70.0, 75.0, 130.0)  # resumed at 20 and at 75 (grown by less than its epoch)
+    assert study.training_time(restarted) == 100.0 + 20.0 + 70.0 + 130.0  # resumed at 20: 40 - 20 of it ran before the stop
+    assert study.convergence(restarted)["train_time_s"] == 320.0 and study.convergence(restarted)["train_wall_s"] == 130.0
+    assert study.training_time(metrics(15.0, 60.0)) == 25.0 + 60.0  # stopped in its first epoch: 25 s before the stop
