@@ -260,5 +260,14 @@ def test_per_image_lattices_give_the_every_pair_bias(pe, mode, monkeypatch):
             assert grid.segments.amax() > 0 and (~same).any()
             fast, every_pair = fast.movedim(-3, -1)[..., same, :], every_pair.movedim(-3, -1)[..., same, :]
         torch.testing.assert_close(fast, every_pair, atol=1e-5, rtol=1e-5, msg=f"{pe} {mode} {name}")
+    # Two rows, one with a single image where the other has two: its empty slot must not poison the gradients.
+    grid = vitpe.CoordAugment(shift=1.0, rescale=2.0)(pack_images([torch.randn(3, 24, 20), torch.randn(3, 8, 8), torch.randn(3, 20, 20)],
+                                                                 4, 32, ref_grid=(4, 4), coord_mode=mode).grid)
+    assert grid.images_per_row == 2 and sorted(grid.segments.amax(1).tolist()) == [0, 1]
+    out = enc.bias(grid)
+    assert not out.isnan().any()  # (lookhere: -inf outside a head's field of view)
+    if out.requires_grad:  # lookhere learns nothing
+        out.sum().backward()
+        assert all(p.grad.isfinite().all() for p in enc.parameters() if p.grad is not None), f"{pe} {mode}"
     per_token = grids["augmented"].augmented(torch.rand(3, 30, 4) + 0.5)  # a different affine per token: no lattice
     assert bias_module._row_lattices(per_token) is None

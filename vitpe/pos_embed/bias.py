@@ -27,12 +27,14 @@ __all__ = ["RelativePositionBias", "ContinuousPositionBias", "FIRE", "LookHere"]
 
 def _per_slot(grid, values: Tensor) -> Tensor:
     """Per-token ``values`` ``(B, N, C)`` as one row per image: ``(B, K, C)``, ``K`` images per row (slot order; 1 unless
-    packed). Every token of an image carries the same value (its image's size or augmentation), so any one will do."""
+    packed). Every token of an image carries the same value (its image's size or augmentation), so any one will do.
+    A row with fewer than ``K`` images gets ones in its empty slots: values no token reads, but finite, since a NaN
+    there would still reach the gradients (``0 * NaN``) of the function evaluated at them."""
     if grid.segments is None:
         return values[:, :1]
     k = grid.images_per_row
     slot = torch.where(grid.segments < 0, k, grid.segments)  # padding: a spare slot, dropped below
-    table = values.new_zeros(values.shape[0], k + 1, values.shape[-1])
+    table = values.new_ones(values.shape[0], k + 1, values.shape[-1])
     return table.scatter(1, slot[..., None].expand_as(values), values)[:, :k]
 
 
