@@ -12,8 +12,9 @@
 ``baseline`` imports REV's vitpe (a git worktree) beside this tree's and alternates their training steps in one
 process, A B A B, reporting the median of the per-round ratios. ``token_keep`` and ``packing`` alternate in one process
 (vitpe.timing). ``lattice`` alternates packed training steps of the bias families with their per-image lattice path
-and with it switched off (every pair evaluated), with a second lattice copy as the control. ``coord_aug`` alternates training steps of the main job's model without a PE, with PE P, and with P
-and the resolution-transfer study's per-image coordinate augmentation (its ``AUG``). ``accuracy`` trains
+and with it switched off (every pair evaluated), with a second lattice copy as the control. ``coord_aug`` alternates
+training steps of the main job's model without a PE, with PE P, and with P and the resolution-transfer study's
+per-image coordinate augmentation (its ``AUG``). ``accuracy`` trains
 configs/fashion_mnist_cpu.yaml with every token for E epochs and with half the tokens for E x (measured speed-up)
 epochs, so both take the same wall time. Results go to OUT/per_image.json
 (merged part by part as each finishes) and OUT/per_image.md.

@@ -302,6 +302,12 @@ def best_rows(rows: List[Dict], data: str, floor: float) -> List[Tuple[float, st
     return sorted(out, reverse=True)
 
 
+def load_results(out: Path) -> List[Dict]:
+    """The study's record so far, OUT/results.json (empty before the first measurement)."""
+    path = out / "results.json"
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
 def report(rows: List[Dict], out: Path) -> None:
     tmp = out / "results.json.tmp"  # the record of hours of runs: never half-written
     tmp.write_text(json.dumps(rows, indent=1))
@@ -465,7 +471,7 @@ def main(argv=None) -> int:
         args.set = args.set + ["train.epochs=1"]
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else []
+    results = load_results(out)
     if args.report:
         report(results, out)
         print(f"report: {out / 'table.md'}")
@@ -479,7 +485,7 @@ def main(argv=None) -> int:
         if measured_before(results, (data, row, seed), load_checkpoint(run)["metrics"]):
             continue
         new = evaluate_run(run, data, row, seed, args)
-        results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else []  # another study's, too
+        results = load_results(out)  # what another study process merged meanwhile is kept
         results = [r for r in results if (r["data"], r["row"], r["seed"]) != (data, row, seed)] + new
         report(results, out)  # a partial study stays readable
     print(f"study done in {(time.time() - started) / 60:.1f} min: {out / 'table.md'}")

@@ -331,9 +331,9 @@ class TokenGrid:
         if self.cells is None:
             raise ValueError("augmenting per-image coordinates needs their grid cells (a TokenGrid from from_grid or packing)")
         affine = affine.to(self.coords.device, torch.float32)
-        per_image = per_image or affine.dim() == 2 or (affine.dim() == 3 and self.segments is None and affine.shape[1] == 1)
         if affine.dim() == 2:
             affine = affine[:, None]
+        per_image = per_image or affine.shape[1] == 1  # one per row: every image of the row shares it
         affine = affine.expand(-1, self.coords.shape[1], -1)
         coords = _affine(self.coords, self._centres(), affine)
         if self.affine is not None:  # scaling about the centre keeps the earlier shift: scales multiply, shifts add
