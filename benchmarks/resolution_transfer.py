@@ -14,7 +14,8 @@ A row is a family name, or ``FAMILY:aug`` (``model.coord_aug`` = AUG below, a dr
 ``configs/study_DATA.yaml``. Runs go to OUT/runs/DATA-ROW-seedS-eEPOCHS: a finished run is reused and an interrupted
 one resumed (one trained with another config than asked for is refused, never reused), and each run's rows are
 merged into OUT/results.json (and the report rewritten) as soon as it is measured, so the study can be stopped and
-restarted at any point, across sessions.
+restarted at any point, across sessions. The runs are git-ignored; OUT/trained.json, committed, records each run's
+config and convergence, so that on another machine a seed already measured with this recipe is not trained again.
 
 Convergence: a run has converged when its test top-1 rose by less than CONVERGED_POINTS over the last fifth of its
 epochs. A run that has not is trained again from scratch with twice the epochs, up to --max-epochs (48: twice
@@ -42,7 +43,8 @@ from vitpe.checkpoint import checkpoint_config, load_checkpoint, model_from_chec
 from vitpe.config import apply_overrides, load_config
 from vitpe.coords import snap
 from vitpe.evaluation import DEFAULT_ASPECTS, dataset_of, evaluate_at
-from vitpe.runs import safe_name, train_or_reuse, write_csv
+from vitpe.runs import config_changes, safe_name, train_or_reuse, write_csv
+from vitpe.training import parse_args, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,28 +104,78 @@ def train_args(data: str, row: str, seed: int, args) -> List[str]:
 
 def train_converged(data: str, row: str, seed: int, args, runs: Path, results: List[Dict]) -> Path:
     """Train the row with the recipe's epochs; while its test top-1 is still moving, train it again from scratch with
-    twice the epochs (a new cosine schedule; the shorter run is kept), up to ``args.max_epochs``."""
-    epochs = first_epochs(runs, data, row, study_config(data, args).train.epochs, args.max_epochs, results)
+    twice the epochs (a new cosine schedule; the shorter run is kept), up to ``args.max_epochs``. Every run trained is
+    entered in OUT/trained.json (``record_run``)."""
+    epochs = first_epochs(runs, data, row, study_config(data, args).train.epochs, args.max_epochs,
+                          [*results, *load_trained(runs.parent)])
     while True:
         name = f"{data}-{row}-seed{seed}-e{epochs}"  # the epochs in the name: a run is never taken for a longer one
         run = train_or_reuse(runs / safe_name(name), [*train_args(data, row, seed, args), "--set", f"train.epochs={epochs}"],
                              f"{data} {row} seed {seed}, {epochs} epochs")
-        if convergence(load_checkpoint(run)["metrics"])["converged"] or 2 * epochs > args.max_epochs:
+        state = load_checkpoint(run)
+        verdict = convergence(state["metrics"])
+        done = verdict["converged"] or 2 * epochs > args.max_epochs
+        record_run(runs.parent, {"data": data, "row": row, "seed": seed, "run": run.name, **verdict,
+                                 **({} if done else {"retrained_with": 2 * epochs}), "config": checkpoint_config(state).to_dict()})
+        if done:
             return run
         print(f"[{data} {row} seed {seed}] still moving after {epochs} epochs: training {2 * epochs}")
         epochs *= 2
+
+
+def load_trained(out: Path) -> List[Dict]:
+    """OUT/trained.json: every run the study trained, with its config and convergence verdict. The runs themselves are
+    git-ignored (hundreds of MB), so this is what another machine or a fresh clone knows of them."""
+    path = out / "trained.json"
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def record_run(out: Path, entry: Dict) -> None:
+    """Enter a trained run in OUT/trained.json (replacing an older entry of the same data, row, seed and epochs)."""
+    key = lambda e: (e["data"], e["row"], e["seed"], e["epochs"])  # noqa: E731
+    entries = sorted([e for e in load_trained(out) if key(e) != key(entry)] + [entry], key=key)
+    tmp = out / "trained.json.tmp"
+    tmp.write_text(json.dumps(entries, indent=1))
+    tmp.replace(out / "trained.json")
+
+
+def measured_elsewhere(out: Path, results: List[Dict], data: str, row: str, seed: int, args) -> Optional[str]:
+    """Why the study need not train (data, row, seed) again on this machine, or None: its measurements are in
+    ``results`` and trained.json says their run was trained with the config the study asks for now. Only where the run
+    is not here (a fresh clone, another machine): a run that is here is checked and reused as usual. A recipe changed
+    since (another config) means training again, and the new measurements replace the old."""
+    if run_epochs(out / "runs", data, row, seed):
+        return None
+    epochs = {r["epochs"] for r in results if (r["data"], r["row"], r["seed"]) == (data, row, seed)}
+    if len(epochs) != 1:  # not measured (or a mixed record): train
+        return None
+    entry = next((e for e in load_trained(out) if (e["data"], e["row"], e["seed"], e["epochs"]) == (data, row, seed, *epochs)), None)
+    if entry is None:
+        return None
+    wanted = resolve_config(parse_args([*train_args(data, row, seed, args), "--set", f"train.epochs={entry['epochs']}"]))
+    changes = config_changes(entry["config"], wanted.to_dict())
+    if changes:
+        print(f"[{data} {row} seed {seed}] measured with another config than this study asks for ({'; '.join(changes)}): "
+              "training it again")
+        return None
+    return f"measured before ({entry['epochs']} epochs; results.json, trained.json) and its run is not on this machine"
 
 
 def first_epochs(runs: Path, data: str, row: str, recipe: int, most: int, results: Sequence[Dict] = ()) -> int:
     """The epochs a row's run starts with: the recipe's, or the most any of the row's seeds has been trained with,
     up to ``most``. A longer run is trained from scratch, so a seed that starts where another seed needed to go ends
     with the run the doubling would reach, minus the shorter runs (hours of the grid); a seed that would have
-    converged sooner only trains longer. The seeds' epochs come from their run directories and from the measurements
-    in ``results``: run directories are git-ignored, so a fresh clone has only the committed record."""
-    name = re.compile(re.escape(safe_name(f"{data}-{row}-seed")) + r"\d+-e(\d+)")
-    tried = [int(m.group(1)) for p in runs.iterdir() if (m := name.fullmatch(p.name))] if runs.is_dir() else []
-    tried += [r["epochs"] for r in results if (r["data"], r["row"]) == (data, row)]
+    converged sooner only trains longer. The seeds' epochs come from their run directories and from the committed
+    record (run directories are git-ignored): the measurements and trained.json's entries (``record_run``) in
+    ``results``, where ``retrained_with`` says where a run still moving sent its seed."""
+    tried = run_epochs(runs, data, row) + [r.get("retrained_with", r["epochs"]) for r in results if (r["data"], r["row"]) == (data, row)]
     return max(recipe, min(most, max(tried, default=recipe)))
+
+
+def run_epochs(runs: Path, data: str, row: str, seed: Optional[int] = None) -> List[int]:
+    """The epochs of the row's runs on this machine, of one seed or of every seed."""
+    name = re.compile(re.escape(safe_name(f"{data}-{row}-seed")) + (r"\d+" if seed is None else str(seed)) + r"-e(\d+)")
+    return [int(m.group(1)) for p in runs.iterdir() if (m := name.fullmatch(p.name))] if runs.is_dir() else []
 
 
 def convergence(metrics: List[Dict]) -> Dict:
@@ -481,6 +533,10 @@ def main(argv=None) -> int:
         parse_row(row)  # every row checked before the first run starts
     started = time.time()
     for data, row, seed in todo:
+        why = measured_elsewhere(out, results, data, row, seed, args)
+        if why:  # retraining would cost the row's whole training time to measure what is committed
+            print(f"[{data} {row} seed {seed}] {why}: kept, not trained again")
+            continue
         run = train_converged(data, row, seed, args, out / "runs", results)
         if measured_before(results, (data, row, seed), load_checkpoint(run)["metrics"]):
             continue

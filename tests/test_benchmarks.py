@@ -23,6 +23,10 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     # One epoch cannot show convergence: each row is trained again with twice the epochs (the smoke's --max-epochs 2).
     assert "[shapes learned seed 0] still moving after 1 epochs: training 2" in capsys.readouterr().out
     assert {p.name for p in (tmp_path / "runs").iterdir()} >= {"shapes-learned-seed0-e1", "shapes-learned-seed0-e2"}
+    trained = json.loads((tmp_path / "trained.json").read_text())  # committed: what a fresh clone knows of the runs
+    assert [(e["row"], e["epochs"], e.get("retrained_with")) for e in trained] == [
+        ("learned", 1, 2), ("learned", 2, None), ("rope_axial:multires", 1, 2), ("rope_axial:multires", 2, None)]
+    assert all(e["config"]["model"]["pos_embed"] == e["row"].partition(":")[0] for e in trained)
     rows = json.loads((tmp_path / "results.json").read_text())
     assert {r["row"] for r in rows} == {"learned", "rope_axial:multires"} and {r["seed"] for r in rows} == {0}
     columns = {"0.5x", "0.75x", "1x", "1.5x", "2x", "3x", "4x", "12x24", "24x12"}  # tiny.yaml trains at 16 px
@@ -47,6 +51,13 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     assert "reusing finished run" in capsys.readouterr().out
     assert json.loads((tmp_path / "results.json").read_text()) == rows
     assert "nan" not in (tmp_path / "table.md").read_text()
+    # Another machine (a fresh clone) has the committed measurements but not the git-ignored runs: nothing is retrained.
+    (tmp_path / "runs").rename(tmp_path / "elsewhere")
+    assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned"]) == 0
+    assert "measured before (2 epochs; results.json, trained.json) and its run is not on this machine" in capsys.readouterr().out
+    assert not any((tmp_path / "runs").iterdir()) and json.loads((tmp_path / "results.json").read_text()) == rows
+    (tmp_path / "runs").rmdir()
+    (tmp_path / "elsewhere").rename(tmp_path / "runs")
     # The recipe changed since (here its learning rate): the runs trained with the old one are refused, not reused.
     with pytest.raises(SystemExit, match=r"shapes-learned-seed0-e2 was trained with another config than this study asks "
                                          r"for \(train.lr: 0.001 -> 0.0123\): move it away"):
@@ -94,6 +105,11 @@ def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_needed_to_
                 {"data": "fashion_mnist", "row": "cpb", "seed": 0, "epochs": 96}]
     assert study.first_epochs(tmp_path / "fresh", "shapes", "learned", 24, 48, recorded) == 48
     assert study.first_epochs(tmp_path / "fresh", "shapes", "cpb", 24, 48, recorded) == 24  # another dataset's do not count
+    # A run still moving is entered in trained.json when it is trained again longer, so its seed's retraining starts there.
+    for _ in range(2):
+        study.record_run(tmp_path, {"data": "shapes", "row": "peg", "seed": 0, "epochs": 24, "retrained_with": 48})
+    assert len(study.load_trained(tmp_path)) == 1  # once, however often the study passes by
+    assert study.first_epochs(tmp_path / "fresh", "shapes", "peg", 24, 48, study.load_trained(tmp_path)) == 48
 
 
 def test_resolution_transfer_orderings_weigh_the_seed_spread_and_convergence(tmp_path):
