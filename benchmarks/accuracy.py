@@ -30,6 +30,7 @@ from vitpe.checkpoint import checkpoint_config, load_checkpoint
 from vitpe.config import load_config
 from vitpe.data import load_dataset
 from vitpe.runs import safe_name, train_or_reuse, write_csv
+from vitpe.timing import cpu_name
 from vitpe.training import REFERENCE_FILE, position_top1, recipe_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,16 +77,6 @@ def write_reference(rows: List[Dict], path: Path) -> None:
         "measured": f"{time.strftime('%Y-%m-%d')}, {rows[0]['cpu']}, torch {torch.__version__}",
         "command": "python benchmarks/accuracy.py --suite main", "recipe": recipe, "results": results}]
     path.write_text(json.dumps(entries, indent=1) + "\n")
-
-
-def cpu_name() -> str:
-    """The processor's model name (Linux), so a wall time names the machine it was measured on."""
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        return platform.processor() or "unknown"
 
 
 def write_outputs(rows: List[Dict], out: Path) -> None:

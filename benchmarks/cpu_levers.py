@@ -8,13 +8,18 @@
 Parts: ``compile`` (torch.compile against eager, and the recompiles of a multi-resolution run), ``bf16`` (autocast
 against fp32, with the matrix products alone to say where the difference comes from), ``adamw`` (for-loop, foreach
 and fused implementations), ``profile`` (the eager step's time by kind of operation and its FLOP/s against the
-fp32 matmul peak). Results: OUT/cpu_levers.json and OUT/cpu_levers.md, written after each part.
+fp32 matmul peak), ``content`` (``model.content_keep``), ``threads`` (the machine's cores given to one process, or a
+single-threaded process per core, all training at once: how a grid of independent runs, such as the resolution study,
+should use them). Results: OUT/cpu_levers.json and OUT/cpu_levers.md, written after each part; a part measured again
+replaces its rows and keeps the others', each row saying when, on which processor and with which torch it was measured.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +30,7 @@ import torch
 import vitpe
 from vitpe.config import load_config
 from vitpe.errors import VitpeError
-from vitpe.timing import alternate, flops_per_call, matmul_peak, ratio, step_fn
+from vitpe.timing import alternate, cpu_name, flops_per_call, matmul_peak, ratio, step_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 _main = load_config(ROOT / "configs" / "shapes.yaml").model
@@ -36,7 +41,7 @@ ARCHS = {  # model arguments; the benchmark's batch is random images of img_size
     "192d": dict(img_size=32, patch_size=4, embed_dim=192, depth=6, num_heads=3, mlp_ratio=4.0),
     "fmnist": dict(vars(_fm), in_chans=1),  # the Fashion-MNIST CPU recipe's model, its PE included
 }
-PARTS = ("compile", "bf16", "adamw", "profile", "content")
+PARTS = ("compile", "bf16", "adamw", "profile", "content", "threads")
 CONTENT_KEEPS = (1.0, 0.65, 0.5)  # model.content_keep: the fraction of each image's patches kept, those with the most content
 KINDS = {  # profiler op name -> kind of work, first match wins
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul"),
@@ -173,10 +178,69 @@ def part_content(arch: str, args) -> Dict:
     return row
 
 
-def write_markdown(rows: List[Dict], meta: Dict, path: Path) -> None:
-    lines = [f"torch {meta['torch']}, {meta['threads']} threads, batch {meta['batch']}", ""]
+def train_for(arch: str, threads: int, seconds: float, batch: int, smoke: bool) -> None:
+    """A worker of ``part_threads``: warm up, say ready, wait for the go on stdin, train for ``seconds``, print the
+    steps it finished and their wall time as JSON."""
+    torch.set_num_threads(threads)
+    model, x, y = model_and_batch(arch, batch, smoke)
+    step = step_fn(model, x, y)
+    for _ in range(2):
+        step()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0, steps = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        step()
+        steps += 1
+    print(json.dumps({"steps": steps, "seconds": time.perf_counter() - t0}), flush=True)
+
+
+def layout_speed(arch: str, threads: List[int], args) -> float:
+    """Training images/s of processes with these thread counts, training at once: each its own Python process (what a
+    study running several runs at a time gets), started together once every one has warmed up."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = []
+    for n in threads:  # OMP_NUM_THREADS too: the OpenMP pool is sized when torch loads, before set_num_threads runs
+        cmd = [sys.executable, __file__, "--worker", arch, str(n), str(args.threads_seconds), str(args.batch), str(int(args.smoke))]
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**env, "OMP_NUM_THREADS": str(n)}))
+    done: List[Dict] = []
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise VitpeError(f"a cpu_levers worker failed before training (exit {p.wait()}); its error is printed above")
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        done = [json.loads(p.stdout.readline()) for p in procs]
+    finally:
+        for p in procs:
+            if len(done) < len(procs):  # one failed: the others would wait for a go or train on for nothing
+                p.kill()
+            p.wait()
+    return sum(d["steps"] * args.batch / d["seconds"] for d in done)
+
+
+def part_threads(arch: str, args) -> Dict:
+    """One process with a thread per core against one single-threaded process per core, alternated in rounds. A small
+    model's step leaves cores idle between and inside its small operations (the main job's reaches 43% of the matmul
+    peak, ``profile``); independent runs in separate processes keep each core busy with its own."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    layouts = {"one_process": [cores], "per_core": [1] * cores}
+    names = list(layouts)
+    speeds: Dict[str, List[float]] = {k: [] for k in layouts}
+    for r in range(args.rounds):
+        for k in names[r % 2:] + names[: r % 2]:
+            speeds[k].append(layout_speed(arch, layouts[k], args))
+    r = ratio({k: [1 / v for v in vs] for k, vs in speeds.items()}, "one_process", "per_core")  # seconds per image
+    return {"part": "threads", "arch": arch, "cores": cores, "one_process_img_s": statistics.median(speeds["one_process"]),
+            "per_core_img_s": statistics.median(speeds["per_core"]), "ratio_per_core_over_one_process": r["median"],
+            "ratio_range": [r["min"], r["max"]], "seconds_per_round": args.threads_seconds, "rounds": args.rounds}
+
+
+def write_markdown(rows: List[Dict], path: Path) -> None:
+    lines = ["Each lever on each architecture, with where it was measured; batch 128 unless said.", ""]
     for r in rows:
-        head = f"- **{r['part']}**, {r['arch']}: "
+        head = f"- **{r['part']}**, {r['arch']} ({r['measured']}): "
         if r["part"] == "compile":
             lo, hi = r["ratio_range"]
             lines.append(head + f"compile/eager **{r['ratio_compile_over_eager']:.3f}** ({lo:.2f}-{hi:.2f}), {r['eager_img_s']:.0f} -> "
@@ -197,12 +261,28 @@ def write_markdown(rows: List[Dict], meta: Dict, path: Path) -> None:
                          + ", ".join(f"{k[6:]} **{v:.3f}**" for k, v in r.items() if k.startswith("ratio_"))
                          + (f"; Fashion-MNIST patches that are all background: {100 * r['fmnist_background_patch_fraction']:.1f}%"
                             if "fmnist_background_patch_fraction" in r else ""))
+        elif r["part"] == "threads":
+            lo, hi = r["ratio_range"]
+            lines.append(head + f"one process on {r['cores']} cores {r['one_process_img_s']:.0f} img/s, one single-threaded process per "
+                         f"core {r['per_core_img_s']:.0f} img/s in all: per core / one process **{r['ratio_per_core_over_one_process']:.3f}** "
+                         f"({lo:.2f}-{hi:.2f}; {r['rounds']} round{'s' * (r['rounds'] != 1)} of {r['seconds_per_round']:g} s each)")
         elif r["part"] == "profile":
             share = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["share_by_kind"].items())
             lines.append(head + f"{r['step_s']:.3f} s per step, {r['gflop_per_step']:.1f} GFLOP, {r['tflop_s']:.3f} TFLOP/s = "
                          f"**{100 * r['fraction_of_peak']:.0f}%** of the fp32 matmul peak ({r['fp32_matmul_peak_tflop_s']:.3f}); "
                          f"self time by kind: {share}")
     path.write_text("\n".join(lines) + "\n")
+
+
+def earlier_rows(path: Path) -> List[Dict]:
+    """The rows an earlier run wrote, each stamped with where it was measured (files written before rows carried the
+    stamp had one for the whole file)."""
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    meta = data.get("meta")
+    stamp = f"torch {meta['torch']}, {meta['threads']} threads" if meta else "not recorded"
+    return [{**r, "measured": r.get("measured", stamp)} for r in data["rows"]]
 
 
 def main(argv=None) -> int:
@@ -213,23 +293,32 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--multires-steps", type=int, default=24)
+    p.add_argument("--threads-seconds", type=float, default=20.0, help="threads: seconds each layout trains per round")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # ARCH THREADS SECONDS BATCH SMOKE: part_threads' processes
     args = p.parse_args(argv)
+    if args.worker:
+        arch, threads, seconds, batch, smoke = args.worker
+        train_for(arch, int(threads), float(seconds), int(batch), smoke == "1")
+        return 0
     if args.smoke:
-        args.iters, args.rounds, args.batch, args.multires_steps = 1, 1, 8, 2
+        args.iters, args.rounds, args.batch, args.multires_steps, args.threads_seconds = 1, 1, 8, 2, 0.5
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "batch": args.batch}
+    measured = f"{time.strftime('%Y-%m-%d')}, {cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads"
     parts: Dict[str, Callable] = {"compile": part_compile, "bf16": part_bf16, "adamw": part_adamw, "profile": part_profile,
-                                  "content": part_content}
-    rows = []
+                                  "content": part_content, "threads": part_threads}
+    rows = earlier_rows(out / "cpu_levers.json")
     for part in args.parts:
         for arch in args.arch:
-            rows.append(parts[part](arch, args))
-            print(json.dumps(rows[-1]))
-            (out / "cpu_levers.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))  # after each part
-            write_markdown(rows, meta, out / "cpu_levers.md")
+            row = {**parts[part](arch, args), "measured": measured}
+            rows = [r for r in rows if (r["part"], r["arch"]) != (part, arch)] + [row]
+            print(json.dumps(row))
+            tmp = out / "cpu_levers.json.tmp"  # after each part, whole or not at all
+            tmp.write_text(json.dumps({"rows": rows}, indent=1))
+            tmp.replace(out / "cpu_levers.json")
+            write_markdown(rows, out / "cpu_levers.md")
     print(f"wrote {out / 'cpu_levers.json'} and {out / 'cpu_levers.md'}")
     return 0
 

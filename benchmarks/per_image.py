@@ -343,7 +343,9 @@ def main(argv=None) -> int:
             print(f"[accuracy] half the tokens trains {speedup:.2f}x faster (token_keep part{'' if measured else ': not run, assumed'})")
             part_accuracy(args, speedup)
         else:
-            rows = {"baseline": part_baseline, "token_keep": part_token_keep, "packing": part_packing, "coord_aug": part_coord_aug, "lattice": part_lattice}[part](args)
+            parts = {"baseline": part_baseline, "token_keep": part_token_keep, "packing": part_packing, "coord_aug": part_coord_aug,
+                     "lattice": part_lattice}
+            rows = parts[part](args)
             merge(out, "baseline_coord_aug" if part == "baseline" and args.with_coord_aug else part, rows)
     print(f"results: {out / 'per_image.json'}, {out / 'per_image.md'}")
     return 0

@@ -8,6 +8,7 @@ route and the RoPE extrapolation controls, with each layer's attention distance 
     python benchmarks/resolution_transfer.py --data shapes --rows rope_axial rope_axial:multires --seeds 0
     python benchmarks/resolution_transfer.py --report                             # tables and plots from results.json
     python benchmarks/resolution_transfer.py --smoke                              # seconds: checks the script still runs
+    python benchmarks/resolution_transfer.py --jobs 2 --data shapes --seeds 1 2   # two runs at a time, a core each
 
 A row is a family name, or ``FAMILY:aug`` (``model.coord_aug`` = AUG below, a draw per image) or ``FAMILY:multires``
 (``train.resolution_range`` = half to twice the training size). The recipe of every row of a dataset is one config,
@@ -21,14 +22,19 @@ Convergence: a run has converged when its test top-1 rose by less than CONVERGED
 epochs. A run that has not is trained again from scratch with twice the epochs, up to --max-epochs (48: twice
 the recipe's 24), and the longest run is the one measured; the report marks rows that still had not converged.
 A row's next seed starts with the epochs its other seeds needed (see ``first_epochs``).
+Several study processes may share one OUT: each claims a (data, row, seed) before it works on it and skips one another
+process holds, and the shared files are merged under a lock. ``--jobs N`` starts N of them, with the cores split
+between them (docs/benchmarks.md, CPU levers: on 2 cores a small ViT trains faster as two single-threaded processes).
 Sizes: each scale x training size rounded to a multiple of the patch size (coordinate routes) or of the token grid
 (patch route); aspect ratios at the training area.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -45,6 +51,11 @@ from vitpe.coords import snap
 from vitpe.evaluation import DEFAULT_ASPECTS, dataset_of, evaluate_at
 from vitpe.runs import config_changes, safe_name, train_or_reuse, write_csv
 from vitpe.training import parse_args, resolve_config
+
+try:
+    import fcntl  # file locks for study processes sharing one OUT; POSIX only
+except ImportError:  # Windows: one study process per OUT (--jobs refuses more)
+    fcntl = None
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,10 +144,40 @@ def load_trained(out: Path) -> List[Dict]:
 def record_run(out: Path, entry: Dict) -> None:
     """Enter a trained run in OUT/trained.json (replacing an older entry of the same data, row, seed and epochs)."""
     key = lambda e: (e["data"], e["row"], e["seed"], e["epochs"])  # noqa: E731
-    entries = sorted([e for e in load_trained(out) if key(e) != key(entry)] + [entry], key=key)
-    tmp = out / "trained.json.tmp"
-    tmp.write_text(json.dumps(entries, indent=1))
-    tmp.replace(out / "trained.json")
+    with study_lock(out):
+        entries = sorted([e for e in load_trained(out) if key(e) != key(entry)] + [entry], key=key)
+        tmp = out / "trained.json.tmp"
+        tmp.write_text(json.dumps(entries, indent=1))
+        tmp.replace(out / "trained.json")
+
+
+@contextlib.contextmanager
+def study_lock(out: Path):
+    """Held while a study process reads, merges and rewrites OUT's shared files (trained.json, results.json and the
+    report): several study processes may work on one OUT at once (``--jobs``), and each keeps what the others merged.
+    An flock, so a process that dies lets go of it."""
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    with open(out / "runs" / ".study.lock", "a") as f:  # in runs/, which git ignores
+        if fcntl is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+@contextlib.contextmanager
+def claim(out: Path, data: str, row: str, seed: int):
+    """Yields whether this process may study (data, row, seed): False while another study process holds it, so processes
+    sharing one OUT (``--jobs``, or commands started by hand) split the work instead of training one run twice. An
+    flock: a killed process's claim is gone with it, and its run is resumed by the next process that reaches it."""
+    claims = out / "runs" / ".claims"  # git-ignored with the runs, out of their listing
+    claims.mkdir(parents=True, exist_ok=True)
+    with open(claims / f"{safe_name(f'{data}-{row}-seed{seed}')}.lock", "a") as f:
+        try:
+            if fcntl is not None:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
 
 
 def measured_elsewhere(out: Path, results: List[Dict], data: str, row: str, seed: int, args) -> Optional[str]:
@@ -502,6 +543,43 @@ def plot(sub: List[Dict], group: Dict, data: str, out: Path) -> None:
         plt.close(fig)
 
 
+def run_jobs(argv: List[str], jobs: int, out: Path) -> int:
+    """``--jobs N``: N study processes of the same command, each with its share of the cores (OMP_NUM_THREADS), which
+    split the (data, row, seed) list between them through their claims. Ctrl-C or SIGTERM reaches each of them, and
+    each stops at its next step boundary with its run saved, to resume."""
+    import signal
+    import subprocess
+
+    if fcntl is None:
+        raise SystemExit("--jobs needs POSIX file locks (fcntl), which this system lacks: run one study process per --out")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // jobs)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    logs = [out / "runs" / f"job{k}.log" for k in range(jobs)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    print(f"--jobs {jobs}: {jobs} study processes, {threads} thread{'s' * (threads > 1)} each on {cores} cores; logs: "
+          + ", ".join(map(str, logs)))
+    started = time.time()
+    procs = []
+    for log in logs:
+        with open(log, "a") as f:  # appended: a resumed study keeps the log of the first attempt
+            # Their own session: a terminal's Ctrl-C reaches them once, forwarded (twice would abort without saving).
+            procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--jobs", "1"], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+    forward = lambda signum, frame: [p.send_signal(signum) for p in procs if p.poll() is None]  # noqa: E731
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        codes = [p.wait() for p in procs]
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    failed = [(log, rc) for log, rc in zip(logs, codes) if rc != 0]
+    for log, rc in failed:
+        print(f"{log.stem} ended with exit code {rc}: see {log}")
+    print(f"{jobs} study processes done in {(time.time() - started) / 60:.1f} min: {out / 'table.md'}")
+    return (failed[0][1] if failed[0][1] > 0 else 1) if failed else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", nargs="+", default=list(DATASETS), choices=DATASETS)
@@ -515,7 +593,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "docs" / "resolution_transfer"))
     p.add_argument("--report", action="store_true", help="only rewrite the tables and plots from OUT/results.json")
     p.add_argument("--smoke", action="store_true", help="tiny config, two rows, one seed, shapes only: seconds")
+    p.add_argument("--jobs", type=int, default=1, help="study processes at once, the cores split between them; each logs "
+                                                        "to OUT/runs/jobK.log")
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error("--jobs must be at least 1")
+    if args.jobs > 1 and not args.report:
+        return run_jobs(list(sys.argv[1:] if argv is None else argv), args.jobs, Path(args.out))
     if args.smoke:
         args.data, args.config, args.eval_size, args.seeds, args.diagnostics = ["shapes"], ROOT / "configs" / "tiny.yaml", 32, [0], 4
         args.max_epochs = min(args.max_epochs, 2)
@@ -523,9 +607,9 @@ def main(argv=None) -> int:
         args.set = args.set + ["train.epochs=1"]
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    results = load_results(out)
     if args.report:
-        report(results, out)
+        with study_lock(out):
+            report(load_results(out), out)
         print(f"report: {out / 'table.md'}")
         return 0
     todo = [(data, row, seed) for data in args.data for seed in args.seeds for row in (args.rows or all_rows())]
@@ -533,17 +617,23 @@ def main(argv=None) -> int:
         parse_row(row)  # every row checked before the first run starts
     started = time.time()
     for data, row, seed in todo:
-        why = measured_elsewhere(out, results, data, row, seed, args)
-        if why:  # retraining would cost the row's whole training time to measure what is committed
-            print(f"[{data} {row} seed {seed}] {why}: kept, not trained again")
-            continue
-        run = train_converged(data, row, seed, args, out / "runs", results)
-        if measured_before(results, (data, row, seed), load_checkpoint(run)["metrics"]):
-            continue
-        new = evaluate_run(run, data, row, seed, args)
-        results = load_results(out)  # what another study process merged meanwhile is kept
-        results = [r for r in results if (r["data"], r["row"], r["seed"]) != (data, row, seed)] + new
-        report(results, out)  # a partial study stays readable
+        with claim(out, data, row, seed) as mine:
+            if not mine:
+                print(f"[{data} {row} seed {seed}] another study process is on it: skipped")
+                continue
+            results = load_results(out)  # another process may have measured it since this one started
+            why = measured_elsewhere(out, results, data, row, seed, args)
+            if why:  # retraining would cost the row's whole training time to measure what is committed
+                print(f"[{data} {row} seed {seed}] {why}: kept, not trained again")
+                continue
+            run = train_converged(data, row, seed, args, out / "runs", results)
+            if measured_before(results, (data, row, seed), load_checkpoint(run)["metrics"]):
+                continue
+            new = evaluate_run(run, data, row, seed, args)
+            with study_lock(out):
+                results = load_results(out)  # what another study process merged meanwhile is kept
+                results = [r for r in results if (r["data"], r["row"], r["seed"]) != (data, row, seed)] + new
+                report(results, out)  # a partial study stays readable
     print(f"study done in {(time.time() - started) / 60:.1f} min: {out / 'table.md'}")
     return 0
 

@@ -1,9 +1,12 @@
 """The benchmark scripts' seconds-long smoke modes, so that they do not rot between hand-run studies."""
 import importlib.util
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import vitpe
 
@@ -55,8 +58,9 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     (tmp_path / "runs").rename(tmp_path / "elsewhere")
     assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned"]) == 0
     assert "measured before (2 epochs; results.json, trained.json) and its run is not on this machine" in capsys.readouterr().out
-    assert not any((tmp_path / "runs").iterdir()) and json.loads((tmp_path / "results.json").read_text()) == rows
-    (tmp_path / "runs").rmdir()
+    assert not [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]  # its claims and lock only
+    assert json.loads((tmp_path / "results.json").read_text()) == rows
+    shutil.rmtree(tmp_path / "runs")
     (tmp_path / "elsewhere").rename(tmp_path / "runs")
     # The recipe changed since (here its learning rate): the runs trained with the old one are refused, not reused.
     with pytest.raises(SystemExit, match=r"shapes-learned-seed0-e2 was trained with another config than this study asks "
@@ -86,6 +90,31 @@ def test_resolution_transfer_report_keeps_a_zero_change(tmp_path):
     assert study.main(["--report", "--out", str(tmp_path)]) == 0 and (tmp_path / "table.md").read_text() == table
     with pytest.raises(SystemExit, match="unknown study row 'none:aug'"):
         study.main(["--smoke", "--out", str(tmp_path), "--rows", "none:aug"])
+
+
+def test_resolution_transfer_processes_share_one_out(tmp_path, capsys):
+    study = load("resolution_transfer")
+    # A (data, row, seed) another study process holds is skipped, not trained a second time beside it.
+    with study.claim(tmp_path, "shapes", "learned", 0) as mine:
+        assert mine
+        with study.claim(tmp_path, "shapes", "learned", 0) as again:
+            assert not again
+        assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned"]) == 0
+    assert "[shapes learned seed 0] another study process is on it: skipped" in capsys.readouterr().out
+    assert not (tmp_path / "results.json").exists() and not (tmp_path / "runs" / "shapes-learned-seed0-e1").exists()
+    with study.claim(tmp_path, "shapes", "learned", 0) as mine:  # released with its process's hold
+        assert mine
+    # --jobs 2: two processes split the rows; each row is trained and measured once, and both land in the shared files.
+    assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned", "rope_axial", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"--jobs 2: 2 study processes, \d+ threads? each", out) and "2 study processes done" in out
+    logs = [(tmp_path / "runs" / f"job{k}.log").read_text() for k in range(2)]
+    assert sum(log.count("still moving after 1 epochs") for log in logs) == 2  # each row trained by one process only
+    rows = json.loads((tmp_path / "results.json").read_text())
+    keys = [(r["row"], r["label"], r["column"]) for r in rows if r["route"] == "coords" and r["rope_scaling"] == "none"]
+    assert {r for r, _, _ in keys} == {"learned", "rope_axial"} and len(keys) == len(set(keys))
+    assert sorted((e["row"], e["epochs"]) for e in json.loads((tmp_path / "trained.json").read_text())) == [
+        ("learned", 1), ("learned", 2), ("rope_axial", 1), ("rope_axial", 2)]
 
 
 def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_needed_to_go(tmp_path):
@@ -224,6 +253,14 @@ def test_cpu_levers_smoke(tmp_path):
     assert abs(sum(prof["share_by_kind"].values()) - 1) < 1e-6
     assert rows[0]["ratio_bf16_over_fp32"] > 0 and rows[1]["foreach_img_s"] > 0
     assert "of the fp32 matmul peak" in (tmp_path / "cpu_levers.md").read_text()
+    # One part measured again alone (here threads, in worker processes) adds its rows and keeps the others'.
+    assert load("cpu_levers").main(["--smoke", "--out", str(tmp_path), "--parts", "threads", "--arch", "main"]) == 0
+    again = json.loads((tmp_path / "cpu_levers.json").read_text())["rows"]
+    assert [r["part"] for r in again] == ["bf16", "adamw", "profile", "threads"] and again[:3] == rows
+    threads = again[-1]
+    assert threads["cores"] >= 1 and threads["one_process_img_s"] > 0 and threads["per_core_img_s"] > 0
+    assert threads["ratio_per_core_over_one_process"] == pytest.approx(threads["per_core_img_s"] / threads["one_process_img_s"])
+    assert "torch " + torch.__version__ in threads["measured"] and "per core / one process" in (tmp_path / "cpu_levers.md").read_text()
     assert load("cpu_levers").main(["--smoke", "--out", str(tmp_path / "c"), "--parts", "content", "--arch", "fmnist"]) == 0
     row = json.loads((tmp_path / "c" / "cpu_levers.json").read_text())["rows"][0]
     assert row["keep0.5_img_s"] > 0 and row["ratio_keep0.65_over_keep1"] > 0

@@ -158,6 +158,7 @@ def test_per_image_coordinate_and_packing_errors():
 def test_every_per_image_path_traces_without_graph_breaks(pe, monkeypatch):
     """torch.compile sees through the PE context: no cache keyed on data_ptr/_version, no data-dependent reads."""
     import torch._dynamo as dynamo
+
     import vitpe.pos_embed.bias as bias_module
 
     lattice, taken = bias_module._row_lattices, []

@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["timed", "alternate", "ratio", "step_fn", "flops_per_call", "matmul_peak"]
+__all__ = ["timed", "alternate", "ratio", "step_fn", "flops_per_call", "matmul_peak", "cpu_name"]
 
 
 def timed(fn: Callable[[], None], iters: int, device: torch.device) -> float:
@@ -84,3 +84,13 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
     s = timed(lambda: a @ b, 3, device)
     s = min(s, timed(lambda: a @ b, 5, device))
     return 2 * n**3 / s
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux), so a timing names the machine it was measured on."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or "unknown"
