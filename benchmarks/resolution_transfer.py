@@ -566,7 +566,11 @@ def run_jobs(argv: List[str], jobs: int, out: Path) -> int:
             # Their own session: a terminal's Ctrl-C reaches them once, forwarded (twice would abort without saving).
             procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--jobs", "1"], stdout=f, stderr=subprocess.STDOUT, env=env,
                                           start_new_session=True))
-    forward = lambda signum, frame: [p.send_signal(signum) for p in procs if p.poll() is None]  # noqa: E731
+    def forward(signum, frame) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         codes = [p.wait() for p in procs]
@@ -577,7 +581,9 @@ def run_jobs(argv: List[str], jobs: int, out: Path) -> int:
     for log, rc in failed:
         print(f"{log.stem} ended with exit code {rc}: see {log}")
     print(f"{jobs} study processes done in {(time.time() - started) / 60:.1f} min: {out / 'table.md'}")
-    return (failed[0][1] if failed[0][1] > 0 else 1) if failed else 0
+    if not failed:
+        return 0
+    return max(failed[0][1], 1)  # a process ended by a signal has a negative code
 
 
 def main(argv=None) -> int:

@@ -117,6 +117,36 @@ def test_resolution_transfer_processes_share_one_out(tmp_path, capsys):
         ("learned", 1), ("learned", 2), ("rope_axial", 1), ("rope_axial", 2)]
 
 
+def test_resolution_transfer_jobs_pass_a_stop_on_and_resume(tmp_path):
+    """SIGTERM to a --jobs study (what Ctrl-C, Slurm or kill send) reaches every study process once: each saves its run
+    at a step boundary, and the same command resumes them."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "resolution_transfer.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
+           "--data", "shapes", "--seeds", "0", "--rows", "learned", "rope_axial", "--max-epochs", "40", "--eval-size", "16",
+           "--diagnostics", "0", "--set", "train.epochs=40", "--out", str(tmp_path), "--jobs", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    study = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logs = [tmp_path / "runs" / f"job{k}.log" for k in range(2)]
+    deadline = time.time() + 240
+    while not all(log.is_file() and "epoch 2/40" in log.read_text() for log in logs):  # both mid-training
+        assert study.poll() is None and time.time() < deadline, study.communicate()[0]
+        time.sleep(0.5)
+    study.send_signal(signal.SIGTERM)
+    out = study.communicate(timeout=240)[0]
+    assert study.returncode != 0 and "ended with exit code" in out
+    assert all("SIGTERM at epoch" in log.read_text() and "checkpoint saved" in log.read_text() for log in logs)
+    assert not (tmp_path / "results.json").exists()
+    assert subprocess.run(cmd, env=env, capture_output=True, timeout=480).returncode == 0
+    resumed = [int(e) for log in logs for e in re.findall(r"resuming \S+ at epoch (\d+)", log.read_text())]
+    assert len(resumed) == 2 and min(resumed) > 1  # each stopped run resumed once, where it stopped
+    assert {r["row"] for r in json.loads((tmp_path / "results.json").read_text())} == {"learned", "rope_axial"}
+
+
 def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_needed_to_go(tmp_path):
     study = load("resolution_transfer")
     runs = tmp_path / "runs"
