@@ -30,7 +30,7 @@ import torch
 import vitpe
 from vitpe.config import load_config
 from vitpe.errors import VitpeError
-from vitpe.timing import alternate, cpu_name, flops_per_call, matmul_peak, ratio, step_fn
+from vitpe.timing import alternate, cpu_name, flops_per_call, matmul_peak, ratio, step_fn, usable_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 _main = load_config(ROOT / "configs" / "shapes.yaml").model
@@ -224,7 +224,7 @@ def part_threads(arch: str, args) -> Dict:
     """One process with a thread per core against one single-threaded process per core, alternated in rounds. A small
     model's step leaves cores idle between and inside its small operations (the main job's reaches 43% of the matmul
     peak, ``profile``); independent runs in separate processes keep each core busy with its own."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     layouts = {"one_process": [cores], "per_core": [1] * cores}
     names = list(layouts)
     speeds: Dict[str, List[float]] = {k: [] for k in layouts}

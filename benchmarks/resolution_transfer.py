@@ -50,6 +50,7 @@ from vitpe.config import apply_overrides, load_config
 from vitpe.coords import snap
 from vitpe.evaluation import DEFAULT_ASPECTS, dataset_of, evaluate_at
 from vitpe.runs import config_changes, safe_name, train_or_reuse, write_csv
+from vitpe.timing import usable_cores
 from vitpe.training import parse_args, resolve_config
 
 try:
@@ -552,7 +553,7 @@ def run_jobs(argv: List[str], jobs: int, out: Path) -> int:
 
     if fcntl is None:
         raise SystemExit("--jobs needs POSIX file locks (fcntl), which this system lacks: run one study process per --out")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     threads = max(1, cores // jobs)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     logs = [out / "runs" / f"job{k}.log" for k in range(jobs)]

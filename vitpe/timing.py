@@ -5,6 +5,7 @@ step to time, its FLOPs, and the matmul peak they are measured against."""
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from typing import Callable, Dict, List, Optional
@@ -12,7 +13,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["timed", "alternate", "ratio", "step_fn", "flops_per_call", "matmul_peak", "cpu_name"]
+__all__ = ["timed", "alternate", "ratio", "step_fn", "flops_per_call", "matmul_peak", "cpu_name", "usable_cores"]
 
 
 def timed(fn: Callable[[], None], iters: int, device: torch.device) -> float:
@@ -94,3 +95,9 @@ def cpu_name() -> str:
         import platform
 
         return platform.processor() or "unknown"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the system has one, as under taskset or a container's
+    cpuset), which is what a benchmark or a study splits between its processes."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
