@@ -1,6 +1,7 @@
 """The benchmark scripts' seconds-long smoke modes, so that they do not rot between hand-run studies."""
 import importlib.util
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -209,6 +210,46 @@ def test_resolution_transfer_orderings_weigh_the_seed_spread_and_convergence(tmp
         swin = ordering(rows)
         lines = (tmp_path / "table.md").read_text().splitlines()
         assert lines[lines.index(swin) + 1] == after
+
+
+def test_canvas_smoke(tmp_path, capsys):
+    canvas = load("canvas")
+    assert canvas.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "canvas.json").read_text())
+    assert [r["margin_patches"] for r in rows] == [0, 1] and [r["px"] for r in rows] == [16, 24]
+    # No margin: the canvas is the native image on the trained grid, and the temperature is exactly 1.
+    r0 = rows[0]
+    assert r0["canvas"] == r0["canvas_scene_pool"] == r0["canvas_scene_keys"] == r0["native"] == r0["canvas_logn"] == r0["native_logn"]
+    assert "| rope_axial | 1 | 24 | 36 |" in (tmp_path / "canvas.md").read_text()
+    # Measuring again replaces the run's rows instead of adding to them.
+    assert canvas.main([rows[0]["run"], "--margins", "1", "--n", "8", "--out", str(tmp_path)]) == 0
+    assert len(json.loads((tmp_path / "canvas.json").read_text())) == 2
+    capsys.readouterr()
+    assert canvas.main([rows[0]["run"], "--margins", "1", "--n", "8", "--out", str(tmp_path)]) == 0
+    assert "already measured" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="nowhere does not exist; give a run directory"):
+        canvas.main([str(tmp_path / "nowhere"), "--out", str(tmp_path)])
+
+
+def test_attention_override_scales_and_restricts_attention():
+    canvas = load("canvas")
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, 40, 8).unbind(0)  # (B, H, T, hd): 40 keys
+
+    def expected(factor, keys=slice(None)):
+        attn = torch.softmax(q @ k[..., keys, :].transpose(-1, -2) * factor / 8 ** 0.5, -1)
+        return (attn @ v[..., keys, :]).transpose(1, 2).reshape(1, 40, 16)
+
+    for train_keys, factor in ((40, 1.0), (10, math.log(40) / math.log(10))):
+        with canvas.attention_override(train_keys):
+            assert torch.allclose(vitpe.vit.attend(q, k, v, None, 0), expected(factor), atol=1e-5)
+    assert not torch.allclose(vitpe.vit.attend(q, k, v, None, 0), expected(math.log(40) / math.log(10)), atol=1e-3)
+    # The mask is over the patch tokens; the leading tokens not covered by it (a class token here) are always kept.
+    scene = torch.zeros(39, dtype=torch.bool)
+    scene[10:20] = True
+    with canvas.attention_override(keys=scene):
+        out = vitpe.vit.attend(q, k, v, None, 0)
+    assert torch.allclose(out, expected(1.0, [0] + list(range(11, 21))), atol=1e-5)
 
 
 def test_shapes_leak_smoke(tmp_path):

@@ -72,6 +72,23 @@ def test_pair_play_is_the_room_a_pair_had_along_its_axis():
     assert (play[two] >= 0).all() and play[~two].isnan().all() and 0.5 < (play[two] < 0.125).float().mean() < 1
 
 
+def test_on_canvas_keeps_the_scene_at_its_pixel_scale():
+    from vitpe.data.shapes import on_canvas
+    p = shapes_params(40, seed=5)
+    scene = render_shapes(p, 32).int()
+    for margin in (8, 16):  # pixels of background on every side
+        size = 32 + 2 * margin
+        canvas = render_shapes(on_canvas(p, 32 / size), size).int()
+        # The centre crop is the scene (rounding of the continued texture moves a pixel by a grey level at most) and
+        # the border is background: it differs from the scene's edge only by the texture's few grey levels.
+        assert (canvas[..., margin:-margin, margin:-margin] - scene).abs().max() <= 1
+        border = canvas[..., :margin, :].float().mean((-1, -2)) - scene[..., :1, :].float().mean((-1, -2))
+        assert border.abs().max() < 25
+    assert (render_shapes(on_canvas(p, 1.0), 32).int() - scene).abs().max() <= 1  # no margin: the scene itself
+    with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\]"):
+        on_canvas(p, 1.5)
+
+
 def test_shapes_dataset_split_sizes_and_native_rendering():
     ds = load_dataset("shapes", train_size=50, test_size=20)
     x, y = ds.split(True, (32, 32))

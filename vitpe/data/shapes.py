@@ -19,7 +19,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["SHAPES_CLASSES", "POSITION_CLASSES", "shapes_params", "render_shapes", "pair_play"]
+__all__ = ["SHAPES_CLASSES", "POSITION_CLASSES", "shapes_params", "render_shapes", "pair_play", "on_canvas"]
 
 SHAPES_CLASSES = (
     "circle",
@@ -107,6 +107,24 @@ def pair_play(params: dict) -> Tensor:
     first, second = c[rows, 0, axis], c[rows, 1, axis]  # the first shape lies before the second on the axis
     play = ((first - r[:, 0] - EDGE_MARGIN) + (1 - EDGE_MARGIN - second - r[:, 1])).clamp_min(0)
     return torch.where(params["kind"][:, 1] >= 0, play, torch.full_like(play, float("nan")))
+
+
+def on_canvas(params: dict, fraction: float) -> dict:
+    """The same scenes shrunk to ``fraction`` of the image's side and centred on a larger canvas of their own
+    background, texture continued: rendered at ``c`` px, the centre ``fraction * c`` px are the scene rendered at that
+    size (within a grey level of rounding). A larger image whose content keeps its pixel scale (more tokens, no new
+    content scale), the control for a native rendering at a larger size, where both change."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1]: the scene's share of the canvas side, got {fraction}")
+    offset = (1 - fraction) / 2
+    tex = params["texture"].clone()
+    angle = 2 * math.pi * tex[..., 0]
+    freq = 1 + 2 * tex[..., 1]
+    # render_shapes draws sin(2 pi (freq * proj + phase)) with proj = x cos + y sin; a canvas point u is the scene's
+    # (u - offset) / fraction, so the frequency grows by 1 / fraction and the phase absorbs the offset.
+    tex[..., 1] = (freq / fraction - 1) / 2
+    tex[..., 2] = tex[..., 2] - freq * offset / fraction * (angle.cos() + angle.sin())
+    return {**params, "centre": offset + fraction * params["centre"], "radius": fraction * params["radius"], "texture": tex}
 
 
 def _rotate(p: Tensor, angle: Tensor) -> Tensor:
