@@ -4,6 +4,7 @@
     python benchmarks/speed.py                 # CPU (and CUDA when present), both architectures
     python benchmarks/speed.py --smoke         # seconds: checks the script still runs
     python benchmarks/speed.py --part pe-cost --arch cifar   # only each PE against none (pe_cost.json/.md)
+    python benchmarks/speed.py --part bias-mask              # a bias as a 3-D or a 4-D SDPA mask (bias_mask.json/.md)
 
 Measurements alternate A B A B so that drift (thermal, other load) hits both sides alike; each number
 is the median over rounds. Results: OUT/speed.json and OUT/speed.md.
@@ -11,16 +12,19 @@ is the median over rounds. Results: OUT/speed.json and OUT/speed.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, Iterator, List
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 import vitpe
+import vitpe.vit
 from vitpe.data import load_dataset
 from vitpe.data.augment import BatchAugment, normalize
 from vitpe.timing import alternate, flops_per_call, matmul_peak, ratio, step_fn
@@ -97,6 +101,70 @@ def bench_pe_cost(device: torch.device, arch_name: str, a: Dict, args) -> List[D
     return rows
 
 
+STUDY_ARCH = dict(img_size=32, patch_size=4, embed_dim=96, depth=4, num_heads=3, mlp_ratio=2.0, pool="mean")  # configs/study_shapes.yaml
+
+
+@contextlib.contextmanager
+def bias_mask_as_3d() -> Iterator[None]:
+    """Inside, a shared grid's bias reaches SDPA as ``(heads, T, T)`` instead of ``(1, heads, T, T)``: the layout vitpe
+    gave it before 2026-11-25, kept here as the other side of the comparison."""
+    sdpa = F.scaled_dot_product_attention
+
+    def as_3d(q, k, v, attn_mask=None, **kwargs):
+        if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[0] == 1:
+            attn_mask = attn_mask[0]
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    with mock.patch.object(vitpe.vit.F, "scaled_dot_product_attention", as_3d):
+        yield
+
+
+def bench_bias_mask(device: torch.device, args) -> List[Dict]:
+    """The same additive bias given to SDPA as a 3-D and as a 4-D mask, alternated: SDPA alone (forward + backward) at
+    the token counts of 1x, 2x and 4x the study's 32 px, then the study's model with each bias PE, inference at those
+    sizes and a training step at 32 px."""
+    rows = []
+    pes = ["rel_bias", "cpb", "fire", "lookhere"]
+    sizes = [32] if args.smoke else [32, 64, 128]
+    heads, head_dim = STUDY_ARCH["num_heads"], STUDY_ARCH["embed_dim"] // STUDY_ARCH["num_heads"]
+    for px in sizes:
+        tokens = (px // STUDY_ARCH["patch_size"]) ** 2
+        batch = 8 if args.smoke else max(8, 128 * 64 // tokens)
+        q, k, v = (torch.randn(batch, heads, tokens, head_dim, device=device, requires_grad=True) for _ in range(3))
+        bias = torch.randn(heads, tokens, tokens, device=device)
+
+        def attention(mask):
+            return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
+
+        times = alternate({"3d": attention(bias), "4d": attention(bias[None])}, args.iters, args.rounds, device)
+        r = ratio(times, "3d", "4d")
+        rows.append({"device": str(device), "what": "SDPA forward + backward", "pe": "-", "px": px, "tokens": tokens, "batch": batch,
+                     "img_s_3d": batch / statistics.median(times["3d"]), "img_s_4d": batch / statistics.median(times["4d"]),
+                     "speedup": r["median"], "speedup_range": [r["min"], r["max"]], "rounds": args.rounds})
+        print(json.dumps(rows[-1]))
+    a = dict(STUDY_ARCH, depth=1) if args.smoke else STUDY_ARCH
+    for pe in pes:
+        model = vitpe.VisionTransformer(**a, num_classes=10, pos_embed=pe).to(device)
+        for px, train in [(32, True)] + [(px, False) for px in sizes]:
+            tokens = (px // a["patch_size"]) ** 2
+            batch = 8 if args.smoke else max(8, 128 * 64 // tokens)
+            x = torch.randn(batch, 3, px, px, device=device)
+            step = step_fn(model, x, torch.randint(0, 10, (batch,), device=device), None, train)
+
+            def old(step=step):
+                with bias_mask_as_3d():
+                    step()
+
+            times = alternate({"3d": old, "4d": step}, args.iters, args.rounds, device)
+            r = ratio(times, "3d", "4d")
+            rows.append({"device": str(device), "what": "training step" if train else "inference", "pe": pe, "px": px, "tokens": tokens,
+                         "batch": batch, "img_s_3d": batch / statistics.median(times["3d"]),
+                         "img_s_4d": batch / statistics.median(times["4d"]), "speedup": r["median"],
+                         "speedup_range": [r["min"], r["max"]], "rounds": args.rounds})
+            print(json.dumps(rows[-1]))
+    return rows
+
+
 def bench_device(device: torch.device, args) -> List[Dict]:
     rows = []
     dtype = torch.bfloat16 if device.type == "cuda" else None
@@ -165,7 +233,7 @@ def bench_data(args) -> Dict:
 
 def write_markdown(rows: List[Dict], meta: Dict, path: Path) -> None:
     """The tables of docs/benchmarks.md, from speed.json's rows."""
-    peak = {r["device"]: r["tflop_s"] for r in rows if r["step"] == "matmul peak"}
+    peak = {r["device"]: r["tflop_s"] for r in rows if r.get("step") == "matmul peak"}
     lines = [f"torch {meta['torch']}, {meta['threads']} threads" + (f", {meta['cuda']}" if meta["cuda"] else ""), ""]
     if any("ratio_vitpe_over_timm" in r for r in rows):
         lines += ["| device | architecture | mode | step | batch | timm img/s | vitpe img/s | vitpe/timm (range) | peak MiB timm / vitpe "
@@ -183,6 +251,15 @@ def write_markdown(rows: List[Dict], meta: Dict, path: Path) -> None:
                          f"| {gflop} | {flop} |")
     if lines[-1]:
         lines.append("")
+    if any("speedup" in r for r in rows):
+        lines += ["| device | what | PE | px (tokens) | batch | 3-D mask img/s | 4-D mask img/s | 4-D over 3-D (range) |",
+                  "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+        for r in rows:
+            lo, hi = r["speedup_range"]
+            lines.append(f"| {r['device']} | {r['what']} | {r['pe']} | {r['px']} ({r['tokens']}) | {r['batch']} | {r['img_s_3d']:.1f} "
+                         f"| {r['img_s_4d']:.1f} | **{r['speedup']:.2f}** ({lo:.2f}-{hi:.2f}) |")
+        path.write_text("\n".join(lines) + "\n")
+        return
     lines += ["| device | architecture | PE | training img/s | over `none` (range) |", "| --- | --- | --- | ---: | ---: |"]
     for r in rows:
         if r["step"] == "train (PE cost)":
@@ -206,15 +283,18 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int)
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--part", choices=["all", "pe-cost"], default="all",
-                   help="pe-cost: only each PE's training throughput against none (writes pe_cost.json/.md)")
+    p.add_argument("--part", choices=["all", "pe-cost", "bias-mask"], default="all",
+                   help="pe-cost: only each PE's training throughput against none (writes pe_cost.json/.md); bias-mask: "
+                        "a bias PE's mask given to SDPA in 3-D against 4-D (bias_mask.json/.md)")
     p.add_argument("--arch", help="only the architectures whose name starts with this (e.g. cifar)")
     args = p.parse_args(argv)
     if args.smoke:
         args.iters, args.rounds = 1, 1
     torch.manual_seed(0)
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
-    if args.part == "pe-cost":
+    if args.part == "bias-mask":
+        rows, name = [row for d in devices for row in bench_bias_mask(d, args)], "bias_mask"
+    elif args.part == "pe-cost":
         rows, name = [row for d in devices for k, a in selected_archs(args).items() for row in bench_pe_cost(d, k, a, args)], "pe_cost"
     else:
         rows, name = [row for d in devices for row in bench_device(d, args)] + [bench_data(args)], "speed"

@@ -5,6 +5,7 @@ import math
 import re
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -278,6 +279,28 @@ def test_speed_smoke(tmp_path):
     assert load("speed").main(["--smoke", "--part", "pe-cost", "--out", str(tmp_path / "pe")]) == 0
     only = json.loads((tmp_path / "pe" / "pe_cost.json").read_text())["rows"]
     assert {r["step"] for r in only} == {"train (PE cost)"} and "| liere |" in (tmp_path / "pe" / "pe_cost.md").read_text()
+
+
+def test_bias_mask_benchmark_compares_the_two_layouts_on_the_same_bias(tmp_path):
+    speed = load("speed")
+    assert speed.main(["--smoke", "--part", "bias-mask", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bias_mask.json").read_text())["rows"]
+    assert {r["pe"] for r in rows} == {"-", "rel_bias", "cpb", "fire", "lookhere"}
+    assert all(r["speedup"] > 0 and r["img_s_3d"] > 0 and r["img_s_4d"] > 0 for r in rows)
+    assert "| inference | fire | 32 (64) |" in (tmp_path / "bias_mask.md").read_text()
+    # The 3-D side really gives SDPA a 3-D mask, and the same attention: only the layout differs.
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    model = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=3, pos_embed="fire").eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        ref = model(x)
+        with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention",
+                               lambda q, k, v, attn_mask=None, **kw: seen.append(attn_mask.dim()) or sdpa(q, k, v, attn_mask=attn_mask, **kw)):
+            with speed.bias_mask_as_3d():
+                out = model(x)
+    assert seen == [3]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_accuracy_smoke(tmp_path):
