@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import vitpe
 import vitpe.vit
+from vitpe.config import load_config
 from vitpe.data import load_dataset
 from vitpe.data.augment import BatchAugment, normalize
 from vitpe.timing import alternate, flops_per_call, matmul_peak, ratio, step_fn
@@ -101,9 +102,6 @@ def bench_pe_cost(device: torch.device, arch_name: str, a: Dict, args) -> List[D
     return rows
 
 
-STUDY_ARCH = dict(img_size=32, patch_size=4, embed_dim=96, depth=4, num_heads=3, mlp_ratio=2.0, pool="mean")  # configs/study_shapes.yaml
-
-
 @contextlib.contextmanager
 def bias_mask_as_3d() -> Iterator[None]:
     """Inside, a shared grid's bias reaches SDPA as ``(heads, T, T)`` instead of ``(1, heads, T, T)``: the layout vitpe
@@ -121,47 +119,48 @@ def bias_mask_as_3d() -> Iterator[None]:
 
 def bench_bias_mask(device: torch.device, args) -> List[Dict]:
     """The same additive bias given to SDPA as a 3-D and as a 4-D mask, alternated: SDPA alone (forward + backward) at
-    the token counts of 1x, 2x and 4x the study's 32 px, then the study's model with each bias PE, inference at those
-    sizes and a training step at 32 px."""
+    the token counts of 1x, 2x and 4x the study's training size, then the study's model (configs/study_shapes.yaml)
+    with each bias PE, inference at those sizes and a training step at 1x."""
+    a = dict(vars(load_config(str(ROOT / "configs" / "study_shapes.yaml")).model))
+    if args.smoke:
+        a["depth"] = 1
+    sizes = [a["img_size"] * s for s in ((1,) if args.smoke else (1, 2, 4))]
+    heads, head_dim = a["num_heads"], a["embed_dim"] // a["num_heads"]
     rows = []
-    pes = ["rel_bias", "cpb", "fire", "lookhere"]
-    sizes = [32] if args.smoke else [32, 64, 128]
-    heads, head_dim = STUDY_ARCH["num_heads"], STUDY_ARCH["embed_dim"] // STUDY_ARCH["num_heads"]
-    for px in sizes:
-        tokens = (px // STUDY_ARCH["patch_size"]) ** 2
+
+    def measure(what: str, pe: str, px: int, run: Callable[[int, int], Dict[str, Callable[[], None]]]) -> None:
+        """Times ``run(tokens, batch)``'s "3d" and "4d" functions at ``px`` (a batch of about 8,192 tokens) into a row."""
+        tokens = (px // a["patch_size"]) ** 2
         batch = 8 if args.smoke else max(8, 128 * 64 // tokens)
-        q, k, v = (torch.randn(batch, heads, tokens, head_dim, device=device, requires_grad=True) for _ in range(3))
-        bias = torch.randn(heads, tokens, tokens, device=device)
-
-        def attention(mask):
-            return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
-
-        times = alternate({"3d": attention(bias), "4d": attention(bias[None])}, args.iters, args.rounds, device)
+        times = alternate(run(tokens, batch), args.iters, args.rounds, device)
         r = ratio(times, "3d", "4d")
-        rows.append({"device": str(device), "what": "SDPA forward + backward", "pe": "-", "px": px, "tokens": tokens, "batch": batch,
+        rows.append({"device": str(device), "what": what, "pe": pe, "px": px, "tokens": tokens, "batch": batch,
                      "img_s_3d": batch / statistics.median(times["3d"]), "img_s_4d": batch / statistics.median(times["4d"]),
                      "speedup": r["median"], "speedup_range": [r["min"], r["max"]], "rounds": args.rounds})
         print(json.dumps(rows[-1]))
-    a = dict(STUDY_ARCH, depth=1) if args.smoke else STUDY_ARCH
-    for pe in pes:
-        model = vitpe.VisionTransformer(**a, num_classes=10, pos_embed=pe).to(device)
-        for px, train in [(32, True)] + [(px, False) for px in sizes]:
-            tokens = (px // a["patch_size"]) ** 2
-            batch = 8 if args.smoke else max(8, 128 * 64 // tokens)
-            x = torch.randn(batch, 3, px, px, device=device)
-            step = step_fn(model, x, torch.randint(0, 10, (batch,), device=device), None, train)
 
-            def old(step=step):
-                with bias_mask_as_3d():
-                    step()
+    def sdpa_alone(tokens: int, batch: int) -> Dict[str, Callable[[], None]]:
+        q, k, v = (torch.randn(batch, heads, tokens, head_dim, device=device, requires_grad=True) for _ in range(3))
+        bias = torch.randn(heads, tokens, tokens, device=device)
+        return {layout: (lambda mask=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward())
+                for layout, mask in (("3d", bias), ("4d", bias[None]))}
 
-            times = alternate({"3d": old, "4d": step}, args.iters, args.rounds, device)
-            r = ratio(times, "3d", "4d")
-            rows.append({"device": str(device), "what": "training step" if train else "inference", "pe": pe, "px": px, "tokens": tokens,
-                         "batch": batch, "img_s_3d": batch / statistics.median(times["3d"]),
-                         "img_s_4d": batch / statistics.median(times["4d"]), "speedup": r["median"],
-                         "speedup_range": [r["min"], r["max"]], "rounds": args.rounds})
-            print(json.dumps(rows[-1]))
+    for px in sizes:
+        measure("SDPA forward + backward", "-", px, sdpa_alone)
+    for pe in ["rel_bias", "cpb", "fire", "lookhere"]:
+        model = vitpe.VisionTransformer(**dict(a, pos_embed=pe), num_classes=10).to(device)
+        for px, train in [(sizes[0], True)] + [(px, False) for px in sizes]:
+            def model_step(tokens: int, batch: int, px=px, train=train) -> Dict[str, Callable[[], None]]:
+                x = torch.randn(batch, 3, px, px, device=device)
+                step = step_fn(model, x, torch.randint(0, 10, (batch,), device=device), None, train)
+
+                def old():
+                    with bias_mask_as_3d():
+                        step()
+
+                return {"3d": old, "4d": step}
+
+            measure("training step" if train else "inference", pe, px, model_step)
     return rows
 
 
