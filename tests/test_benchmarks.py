@@ -1,4 +1,5 @@
 """The benchmark scripts' seconds-long smoke modes, so that they do not rot between hand-run studies."""
+import argparse
 import importlib.util
 import json
 import math
@@ -301,6 +302,39 @@ def test_bias_mask_benchmark_compares_the_two_layouts_on_the_same_bias(tmp_path)
                 out = model(x)
     assert seen == [3]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_resolution_transfer_trains_each_dataset_up_to_its_protocols_cap(tmp_path, monkeypatch):
+    """shapes doubles a run still moving up to 48 epochs; Fashion-MNIST trains every row once, at its recipe's 8
+    (MAX_EPOCHS); --max-epochs lifts the cap, and a row's next seed then starts where its other seeds went."""
+    study = load("resolution_transfer")
+    trained = []
+
+    def train(run, args, label):
+        trained.append(run.name)
+        return run
+
+    def still_moving(run):  # every run's test top-1 still rising a point per epoch
+        epochs = int(run.name.rpartition("-e")[2])
+        return {"metrics": [{"test_top1": 0.5 + 0.01 * e, "wall_s": float(e), "epoch_s": 1.0} for e in range(epochs)]}
+
+    args = argparse.Namespace(max_epochs=None, config=None, set=[])
+    monkeypatch.setattr(study, "train_or_reuse", train)
+    monkeypatch.setattr(study, "load_checkpoint", still_moving)
+    monkeypatch.setattr(study, "checkpoint_config", lambda state: study.study_config("shapes", args))
+    runs = tmp_path / "runs"
+    study.train_converged("fashion_mnist", "sincos2d", 0, args, runs, [])
+    assert trained == ["fashion_mnist-sincos2d-seed0-e8"]
+    study.train_converged("shapes", "sincos2d", 0, args, runs, [])
+    assert trained[1:] == ["shapes-sincos2d-seed0-e24", "shapes-sincos2d-seed0-e48"]
+    args.max_epochs = 48
+    seed0 = [{"data": "fashion_mnist", "row": "sincos2d:multires", "seed": 0, "epochs": 48}]
+    study.train_converged("fashion_mnist", "sincos2d:multires", 1, args, runs, seed0)
+    assert trained[3:] == ["fashion_mnist-sincos2d_multires-seed1-e48"]
+    assert {(e["data"], e["seed"], e["epochs"], e.get("retrained_with")) for e in study.load_trained(tmp_path)} == {
+        ("fashion_mnist", 0, 8, None), ("shapes", 0, 24, 48), ("shapes", 0, 48, None), ("fashion_mnist", 1, 48, None)}
+    with pytest.raises(SystemExit):
+        study.main(["--max-epochs", "0"])
 
 
 def test_accuracy_smoke(tmp_path):
