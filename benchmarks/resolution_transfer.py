@@ -70,8 +70,8 @@ NO_COORDS = ("none", "peg")  # they read no coordinates: one coordinate mode, no
 ROPE_CONTROLS = ("ntk", "yarn")
 CONVERGED_POINTS = 0.3
 # The most epochs a run is trained with (--max-epochs overrides it). shapes: twice its recipe's 24, which every shapes
-# row measured converged within. Fashion-MNIST: its recipe's 8, never doubled. No Fashion-MNIST row converges within an
-# affordable budget (sincos2d:multires still rose 0.7 points over the last fifth of 48 epochs, 2.3 hours), while the
+# row measured converged within. Fashion-MNIST: its recipe's 8, never doubled. Converging costs more than 2 cores afford
+# there (sincos2d:multires still rose 0.7 points over the last fifth of 48 epochs, 2.3 hours), while the
 # change from 1x at 2x, what this study compares, moves within a point with the budget (sincos2d:multires +0.33 / +0.56
 # / +0.74 after 8 / 24 / 48 epochs, sincos2d -12.6 / -11.6 after 8 / 24; docs/resolution_transfer.md, Protocol), so
 # every row gets the same 8 epochs.
