@@ -306,7 +306,7 @@ def test_bias_mask_benchmark_compares_the_two_layouts_on_the_same_bias(tmp_path)
 
 def test_resolution_transfer_trains_each_dataset_up_to_its_protocols_cap(tmp_path, monkeypatch):
     """shapes doubles a run still moving up to 48 epochs; Fashion-MNIST trains every row once, at its recipe's 8
-    (MAX_EPOCHS); --max-epochs lifts the cap, and a row's next seed then starts where its other seeds went."""
+    (DOUBLINGS); --max-epochs lifts the cap, and a row's next seed then starts where its other seeds went."""
     study = load("resolution_transfer")
     trained = []
 
@@ -333,8 +333,16 @@ def test_resolution_transfer_trains_each_dataset_up_to_its_protocols_cap(tmp_pat
     assert trained[3:] == ["fashion_mnist-sincos2d_multires-seed1-e48"]
     assert {(e["data"], e["seed"], e["epochs"], e.get("retrained_with")) for e in study.load_trained(tmp_path)} == {
         ("fashion_mnist", 0, 8, None), ("shapes", 0, 24, 48), ("shapes", 0, 48, None), ("fashion_mnist", 1, 48, None)}
+    # The cap follows the recipe as the study runs it: --set train.epochs=12 on shapes doubles 12 -> 24, no further.
+    args.max_epochs, args.set = None, ["train.epochs=12"]
+    study.train_converged("shapes", "rope_axial", 0, args, runs, [])
+    assert trained[4:] == ["shapes-rope_axial-seed0-e12", "shapes-rope_axial-seed0-e24"]
+
+
+def test_resolution_transfer_refuses_a_cap_below_one_epoch(capsys):
     with pytest.raises(SystemExit):
-        study.main(["--max-epochs", "0"])
+        load("resolution_transfer").main(["--max-epochs", "0"])
+    assert "--max-epochs must be at least 1" in capsys.readouterr().err
 
 
 def test_accuracy_smoke(tmp_path):
