@@ -25,10 +25,8 @@ import json
 import math
 import sys
 import tempfile
-import types
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
-from unittest import mock
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,16 +45,11 @@ OUT = ROOT / "docs" / "resolution_transfer" / "canvas"
 READINGS = ("canvas", "canvas_scene_pool", "canvas_scene_keys", "canvas_logn", "native", "native_logn")
 
 
-@contextlib.contextmanager
-def attention_override(train_keys: Optional[int] = None, keys: Optional[Tensor] = None) -> Iterator[List[int]]:
+def attention_override(train_keys: Optional[int] = None, keys: Optional[Tensor] = None) -> contextlib.AbstractContextManager:
     """Inside, vitpe's attention scales its logits by ``log(keys) / log(train_keys)`` (1 at the training length)
     where ``train_keys`` is given, and attends only to the patch tokens in ``keys`` (a bool mask; prefix tokens are
-    always kept) where that is given. Yields a list counting the attention calls it changed, so a caller can tell
-    that it reached them."""
-    calls: List[int] = []
-
+    always kept) where that is given (``vitpe.vit.sdpa_override``: it raises if no attention was reached)."""
     def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, *args, **kwargs) -> Tensor:
-        calls.append(1)
         if train_keys is not None:
             kwargs["scale"] = math.log(k.shape[-2]) / math.log(train_keys) / math.sqrt(q.shape[-1])
         if keys is not None:
@@ -65,11 +58,7 @@ def attention_override(train_keys: Optional[int] = None, keys: Optional[Tensor] 
             attn_mask = only if attn_mask is None else attn_mask.to(q.dtype) + only
         return F.scaled_dot_product_attention(q, k, v, attn_mask, *args, **kwargs)
 
-    patched = types.SimpleNamespace(**{**vars(F), "scaled_dot_product_attention": sdpa})
-    with mock.patch.object(vitpe.vit, "F", patched):
-        yield calls
-    if not calls:
-        raise RuntimeError("the override never reached vitpe's attention: vitpe.vit no longer calls F.scaled_dot_product_attention")
+    return vitpe.vit.sdpa_override(sdpa)
 
 
 @torch.no_grad()

@@ -17,8 +17,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List
-from unittest import mock
+from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -102,19 +101,15 @@ def bench_pe_cost(device: torch.device, arch_name: str, a: Dict, args) -> List[D
     return rows
 
 
-@contextlib.contextmanager
-def bias_mask_as_3d() -> Iterator[None]:
+def bias_mask_as_3d() -> contextlib.AbstractContextManager:
     """Inside, a shared grid's bias reaches SDPA as ``(heads, T, T)`` instead of ``(1, heads, T, T)``: the layout vitpe
     gave it before 2026-11-25, kept here as the other side of the comparison."""
-    sdpa = F.scaled_dot_product_attention
-
     def as_3d(q, k, v, attn_mask=None, **kwargs):
         if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[0] == 1:
             attn_mask = attn_mask[0]
-        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
 
-    with mock.patch.object(vitpe.vit.F, "scaled_dot_product_attention", as_3d):
-        yield
+    return vitpe.vit.sdpa_override(as_3d)
 
 
 def bench_bias_mask(device: torch.device, args) -> List[Dict]:

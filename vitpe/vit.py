@@ -5,9 +5,10 @@ the actual input, and hands that context to every block. No block knows which PE
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,8 @@ from .packing import Packed
 from .patch import resize_patch_embed
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
 
-__all__ = ["POOLS", "Attention", "Block", "LayerScale", "VisionTransformer", "attend", "compute_dtype", "position_tokens", "take_indices"]
+__all__ = ["POOLS", "Attention", "Block", "LayerScale", "VisionTransformer", "attend", "compute_dtype", "position_tokens", "sdpa_override",
+           "take_indices"]
 
 POOLS = ("cls", "mean")  # how the head reads the tokens: the class token, or the mean of the patch tokens
 
@@ -40,6 +42,33 @@ def position_tokens(x: Tensor, pos: PosContext, prefix: Sequence[Optional[Tensor
         return x
     group = torch.cat(prefix, dim=1).repeat(1, pos.grid.images_per_row, 1)
     return torch.cat([group.expand(x.shape[0], -1, -1), x], dim=1)
+
+
+_SDPA: Optional[Callable[..., Tensor]] = None  # set only inside sdpa_override
+
+
+@contextlib.contextmanager
+def sdpa_override(fn: Callable[..., Tensor]) -> Iterator[List[int]]:
+    """Inside, :func:`attend` (vitpe's attention and equipped timm attention) calls ``fn(q, k, v, attn_mask=...,
+    dropout_p=...)`` where it would call ``F.scaled_dot_product_attention``: for studies and benchmarks that change
+    what the kernel gets (the logits' scale, a mask over keys, a mask's layout) without touching the model. torch's
+    function itself is left alone, so ``fn`` may call it. Yields a list with one entry per call made through ``fn``,
+    and raises on a normal exit if there was none: a reading taken "with the override" that never reached the
+    attention would be a silent no-op."""
+    global _SDPA
+    calls: List[int] = []
+
+    def counted(*args, **kwargs) -> Tensor:
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    outer, _SDPA = _SDPA, counted
+    try:
+        yield calls
+    finally:
+        _SDPA = outer
+    if not calls:
+        raise RuntimeError("sdpa_override never reached vitpe's attention: nothing inside called vitpe.vit.attend")
 
 
 def attend(
@@ -62,7 +91,7 @@ def attend(
     if num_queries is not None:
         q = q[:, :, :num_queries]
         bias = None if bias is None else bias[..., :num_queries, :]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+    out = (_SDPA or F.scaled_dot_product_attention)(q, k, v, attn_mask=bias, dropout_p=dropout_p)
     return rearrange(out, "b h t d -> b t (h d)")
 
 
