@@ -51,6 +51,9 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
                  "FIRE: better than RoPE far from the training size: not measured yet", "last layer's attention"):
         assert text in table
     assert (tmp_path / "shapes.png").stat().st_size > 5000 and (tmp_path / "shapes_attention.png").stat().st_size > 5000
+    runs_md = (tmp_path / "trained.md").read_text()  # every run trained, the shorter of a doubled row too, in row order
+    assert "nan" not in runs_md  # one epoch has no last fifth: "-"
+    assert re.search(r"\| learned \| 0 \| 1 \| - \| no: retrained with 2 \| \d+\.\d \| \d+\.\d\d \|\n\| learned \| 0 \| 2 \|", runs_md)
     # Run again for one row: nothing is trained or measured again, every result is kept (it starts at the 2 epochs
     # the row needed, so the 1-epoch run is not even opened).
     assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned"]) == 0
