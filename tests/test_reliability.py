@@ -371,3 +371,17 @@ def test_a_study_run_killed_before_its_first_checkpoint_is_resumed_and_one_from_
     assert train_or_reuse(run, ["--config", TINY], "row") == run and "reusing finished run" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"another config than this study asks for \(model.pos_embed: 'sincos2d' -> 'rope_axial'\)"):
         train_or_reuse(run, ["--config", TINY, "--pe", "rope_axial"], "row")
+
+
+@pytest.mark.parametrize("rc, message", [(143, "stopped by SIGTERM: run the same command again to resume it"),
+                                         (130, "stopped by SIGINT: run the same command again to resume it"),
+                                         (1, "failed with exit code 1")])
+def test_a_study_run_stopped_by_a_signal_says_it_resumes(tmp_path, monkeypatch, rc, message):
+    """A study stopped with SIGTERM (train.py saved a checkpoint and returned 128 + 15) says how to go on, not that
+    training failed; a real failure still reports its exit code."""
+    import vitpe.training
+    from vitpe.runs import train_or_reuse
+
+    monkeypatch.setattr(vitpe.training, "main", lambda argv: rc)
+    with pytest.raises(SystemExit, match=message):
+        train_or_reuse(tmp_path / "study-row-seed0", ["--config", TINY], "row")

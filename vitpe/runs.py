@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import re
+import signal
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -145,6 +146,9 @@ def train_or_reuse(run: Path, args: List[str], label: str) -> Path:
         rc = train_main(["--resume", str(run)])
     else:
         rc = train_main([*args, "--out-dir", str(run.parent), "--name", run.name])
+    if rc > 128:  # train.py's code for a signal: stopped at a step boundary and saved, or (a second Ctrl-C) its last save kept
+        raise SystemExit(f"training {run} stopped by {signal.Signals(rc - 128).name}: run the same command again to resume "
+                         "it from its last checkpoint")
     if rc != 0:
         raise SystemExit(f"training {run} failed with exit code {rc}")
     return run
