@@ -408,6 +408,12 @@ def best_rows(rows: List[Dict], data: str, floor: float) -> List[Tuple[float, st
     return sorted(out, reverse=True)
 
 
+def train_seconds(entry: Dict) -> Optional[float]:
+    """A run's training seconds from its record (a results.json row or a trained.json entry): ``train_time_s`` (a
+    resumed run's pieces summed), else ``train_wall_s``; early entries have only one of them, a few neither."""
+    return entry.get("train_time_s") or entry.get("train_wall_s")
+
+
 def still_to_measure(rows: List[Dict], data: str) -> List[str]:
     """The report's to-do list for ``data``: every study row (``all_rows``) that lacks one of SEEDS, as
     ``row (seeds 0, 2 of 0-2)`` where some are measured (these first), else ``row``."""
@@ -434,7 +440,7 @@ def trained_table(trained: List[Dict]) -> List[str]:
         lines += [f"## {data}", "", "| row | seed | epochs | last fifth (points) | converged | train min | min / epoch |",
                   "| --- | ---: | ---: | ---: | --- | ---: | ---: |"]
         for e in runs:
-            t = e.get("train_time_s") or e.get("train_wall_s")  # early entries have only the wall time, one only the other
+            t = train_seconds(e)
             verdict = "yes" if e["converged"] else f"no: retrained with {e['retrained_with']}" if e.get("retrained_with") else "no"
             gain = e["last_fifth_gain_points"]  # NaN for a run too short to have a last fifth
             lines.append(f"| {e['row']} | {e['seed']} | {e['epochs']} | {'-' if math.isnan(gain) else f'{gain:+.2f}'} | {verdict} | "
@@ -476,7 +482,7 @@ def report(rows: List[Dict], out: Path) -> None:
             conv = [s["converged"] for s in seeds.values()]
             fit = [100 * s["train_acc"] for s in seeds.values() if s.get("train_acc") is not None]
             lines.append(f"| {row} | {len(seeds)} | {statistics.fmean(s['epochs'] for s in seeds.values()):.0f} | "
-                         f"{statistics.fmean(s.get('train_time_s', s['train_wall_s']) for s in seeds.values()) / 60:.1f} | {sum(conv)}/{len(conv)} | "
+                         f"{statistics.fmean(train_seconds(s) for s in seeds.values()) / 60:.1f} | {sum(conv)}/{len(conv)} | "
                          f"{f'{statistics.fmean(fit):.1f}' if fit else '-'} | "
                          f"{fmt(group.get((data, row, 'interpolate', '1x')))} |")
         todo = still_to_measure(rows, data)
