@@ -122,10 +122,11 @@ def train_args(data: str, row: str, seed: int, args) -> List[str]:
 
 def train_converged(data: str, row: str, seed: int, args, runs: Path, results: List[Dict]) -> Path:
     """Train the row with the recipe's epochs; while its test top-1 is still moving, train it again from scratch with
-    twice the epochs (a new cosine schedule; the shorter run is kept), up to ``epoch_cap(data, args)``. Every run
-    trained is entered in OUT/trained.json (``record_run``)."""
-    most = epoch_cap(data, args)
-    epochs = first_epochs(runs, data, row, study_config(data, args).train.epochs, most, [*results, *load_trained(runs.parent)])
+    twice the epochs (a new cosine schedule; the shorter run is kept), up to ``epoch_cap``. Every run trained is
+    entered in OUT/trained.json (``record_run``)."""
+    recipe = study_config(data, args).train.epochs
+    most = epoch_cap(data, recipe, args)
+    epochs = first_epochs(runs, data, row, recipe, most, [*results, *load_trained(runs.parent)])
     while True:
         name = f"{data}-{row}-seed{seed}-e{epochs}"  # the epochs in the name: a run is never taken for a longer one
         run = train_or_reuse(runs / safe_name(name), [*train_args(data, row, seed, args), "--set", f"train.epochs={epochs}"],
@@ -141,10 +142,10 @@ def train_converged(data: str, row: str, seed: int, args, runs: Path, results: L
         epochs *= 2
 
 
-def epoch_cap(data: str, args) -> int:
-    """The most epochs a run of ``data`` is trained with: --max-epochs where given, else its recipe's epochs (after
-    ``--set``) doubled DOUBLINGS[data] times."""
-    return args.max_epochs or study_config(data, args).train.epochs * 2 ** DOUBLINGS[data]
+def epoch_cap(data: str, recipe: int, args) -> int:
+    """The most epochs a run of ``data`` is trained with: --max-epochs where given, else its recipe's epochs
+    (``recipe``, after ``--set``) doubled DOUBLINGS[data] times."""
+    return args.max_epochs or recipe * 2 ** DOUBLINGS[data]
 
 
 def load_trained(out: Path) -> List[Dict]:
