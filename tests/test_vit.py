@@ -58,7 +58,7 @@ def test_sdpa_path_equals_explicit_softmax(pe):
 
 
 @pytest.mark.parametrize("pe", ["rel_bias", "cpb", "fire", "lookhere"])
-def test_a_shared_bias_reaches_sdpa_as_a_4d_mask(pe, monkeypatch):
+def test_a_shared_bias_reaches_sdpa_as_a_4d_mask(pe):
     """torch's CPU SDPA takes its slow math path for a 3-D float mask and its fused kernel for the same mask in 4-D
     (5.5x at 1,024 tokens): a shared grid's (heads, T, T) bias must arrive as (1, heads, T, T)."""
     seen = []
@@ -69,8 +69,7 @@ def test_a_shared_bias_reaches_sdpa_as_a_4d_mask(pe, monkeypatch):
         return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
 
     model = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3, pos_embed=pe).eval()
-    monkeypatch.setattr(vitpe.vit.F, "scaled_dot_product_attention", spy)
-    with torch.no_grad():
+    with torch.no_grad(), vitpe.vit.sdpa_override(spy):
         model(torch.randn(3, 3, 24, 16))
     assert seen[0] == (1, 2, 25, 25) and seen[1] == (1, 2, 1, 25)  # the last block keeps only the class token's query
 
