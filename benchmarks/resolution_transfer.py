@@ -624,10 +624,14 @@ def run_jobs(argv: List[str], jobs: int, out: Path) -> int:
             # Their own session: a terminal's Ctrl-C reaches them once, forwarded (twice would abort without saving).
             procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--jobs", "1"], stdout=f, stderr=subprocess.STDOUT, env=env,
                                           start_new_session=True))
+    stopped_by, told = [], set()
+
     def forward(signum, frame) -> None:
-        for p in procs:
+        stopped_by.append(signum)
+        for k, p in enumerate(procs):
             if p.poll() is None:
                 p.send_signal(signum)
+                told.add(k)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -635,10 +639,16 @@ def run_jobs(argv: List[str], jobs: int, out: Path) -> int:
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-    failed = [(log, rc) for log, rc in zip(logs, codes) if rc != 0]
+    # A process told to stop exits non-zero after saving its run: that is the stop, not a failure.
+    failed = [(log, rc) for k, (log, rc) in enumerate(zip(logs, codes)) if rc != 0 and k not in told]
+    minutes = (time.time() - started) / 60
     for log, rc in failed:
         print(f"{log.stem} ended with exit code {rc}: see {log}")
-    print(f"{jobs} study processes done in {(time.time() - started) / 60:.1f} min: {out / 'table.md'}")
+    if stopped_by:
+        print(f"stopped by {signal.Signals(stopped_by[0]).name} after {minutes:.1f} min: the study processes still running "
+              f"saved their runs at a step boundary ({out / 'runs'}/job*.log); run the same command again to resume them")
+        return 128 + stopped_by[0]  # the shell's code for a process stopped by that signal
+    print(f"{jobs} study processes done in {minutes:.1f} min: {out / 'table.md'}")
     if not failed:
         return 0
     return max(failed[0][1], 1)  # a process ended by a signal has a negative code

@@ -153,7 +153,8 @@ def test_resolution_transfer_jobs_pass_a_stop_on_and_resume(tmp_path):
         time.sleep(0.5)
     study.send_signal(signal.SIGTERM)
     out = study.communicate(timeout=240)[0]
-    assert study.returncode != 0 and "ended with exit code" in out
+    assert study.returncode == 128 + signal.SIGTERM and "ended with exit code" not in out, out
+    assert "stopped by SIGTERM" in out and "run the same command again to resume" in out
     assert all("SIGTERM at epoch" in log.read_text() and "checkpoint saved" in log.read_text() for log in logs)
     assert not (tmp_path / "results.json").exists()
     assert subprocess.run(cmd, env=env, capture_output=True, timeout=480).returncode == 0
