@@ -135,12 +135,22 @@ def part_baseline(args) -> List[Dict]:
     return rows
 
 
-def study_coord_aug() -> Dict[str, float]:
-    """The coordinate augmentation of the resolution-transfer study's ``FAMILY:aug`` rows, read from the study itself."""
+def study():
+    """The resolution-transfer study's module: its ``FAMILY:aug`` rows and their coordinate augmentation live there."""
     spec = importlib.util.spec_from_file_location("resolution_transfer", ROOT / "benchmarks" / "resolution_transfer.py")
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
-    return yaml.safe_load(study.AUG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def study_coord_aug() -> Dict[str, float]:
+    """The coordinate augmentation of the resolution-transfer study's ``FAMILY:aug`` rows."""
+    return yaml.safe_load(study().AUG)
+
+
+def study_aug_pes() -> List[str]:
+    """The families the study trains with coordinate augmentation (every one that reads coordinates)."""
+    return [row.split(":")[0] for row in study().all_rows() if row.endswith(":aug")]
 
 
 def part_coord_aug(args) -> List[Dict]:
@@ -316,8 +326,7 @@ def main(argv=None) -> int:
     p.add_argument("--with-coord-aug", action="store_true",
                    help="baseline: both sides train with the study's coordinate augmentation (results: part baseline_coord_aug)")
     p.add_argument("--pes", nargs="+", default=["sincos2d", "rope_mixed", "rel_bias"])
-    p.add_argument("--aug-pes", nargs="+", default=["sincos2d", "rope_axial", "rope_mixed", "lookhere", "learned", "fire", "cpb", "rel_bias"],
-                   help="coord_aug: the PEs measured (the study's FAMILY:aug rows)")
+    p.add_argument("--aug-pes", nargs="+", help="coord_aug: the PEs measured (default: the families of the study's FAMILY:aug rows)")
     p.add_argument("--lattice-pes", nargs="+", default=["fire", "cpb", "rel_bias", "lookhere"], help="lattice: the bias families measured")
     p.add_argument("--keeps", nargs="+", type=float, default=[1.0, 0.5, 0.25])
     p.add_argument("--iters", type=int, default=5, help="steps per timed round")
@@ -327,6 +336,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     p.add_argument("--smoke", action="store_true", help="tiny settings: seconds")
     args = p.parse_args(argv)
+    args.aug_pes = args.aug_pes or study_aug_pes()
     if args.smoke:
         args.iters, args.rounds, args.pes, args.aug_pes, args.keeps, args.epochs = 1, 1, ["rope_mixed"], ["rope_mixed"], [1.0, 0.5], 1
         args.lattice_pes = ["fire"]

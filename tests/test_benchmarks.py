@@ -391,6 +391,14 @@ def test_per_image_smoke(tmp_path):
     assert "### packing" in (tmp_path / "per_image.md").read_text()
 
 
+def test_per_image_coord_aug_times_every_family_the_study_augments():
+    import vitpe
+
+    # The cost column of the README's "+ coord_aug" rows comes from this part: by default it times each of them.
+    pes = load("per_image").study_aug_pes()
+    assert set(pes) == set(vitpe.list_pos_embeds()) - {"none", "peg"} and len(pes) == len(set(pes))
+
+
 def test_cpu_levers_smoke(tmp_path):
     # compile is left out: its first step compiles for seconds; the part runs in the hand-run benchmark
     assert load("cpu_levers").main(["--smoke", "--out", str(tmp_path), "--parts", "bf16", "adamw", "profile", "--arch", "main"]) == 0
