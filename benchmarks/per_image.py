@@ -22,6 +22,7 @@ epochs, so both take the same wall time. Results go to OUT/per_image.json
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -135,8 +136,10 @@ def part_baseline(args) -> List[Dict]:
     return rows
 
 
+@functools.lru_cache(maxsize=None)
 def study():
-    """The resolution-transfer study's module: its ``FAMILY:aug`` rows and their coordinate augmentation live there."""
+    """The resolution-transfer study's module (loaded once): its ``FAMILY:aug`` rows and their coordinate augmentation
+    live there."""
     spec = importlib.util.spec_from_file_location("resolution_transfer", ROOT / "benchmarks" / "resolution_transfer.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -150,14 +153,14 @@ def study_coord_aug() -> Dict[str, float]:
 
 def study_aug_pes() -> List[str]:
     """The families the study trains with coordinate augmentation (every one that reads coordinates)."""
-    return [row.split(":")[0] for row in study().all_rows() if row.endswith(":aug")]
+    return [pe for pe, variant in map(study().parse_row, study().all_rows()) if variant == "aug"]
 
 
 def part_coord_aug(args) -> List[Dict]:
     """Training throughput of the study's ``FAMILY:aug`` rows: the main job's model without a PE, with the PE, and with
     the PE and the study's per-image coordinate augmentation, alternated in one process (train.py's step, batch 128)."""
     aug, arch, rows = study_coord_aug(), MAIN_JOB, []
-    for pe in args.aug_pes:
+    for pe in args.aug_pes or study_aug_pes():
         fns = {"none": recipe_step(vitpe, arch, "none"), pe: recipe_step(vitpe, arch, pe),
                "coord_aug": recipe_step(vitpe, arch, pe, coord_aug=aug)}
         times = alternate(fns, args.iters, args.rounds, torch.device("cpu"))
@@ -336,7 +339,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     p.add_argument("--smoke", action="store_true", help="tiny settings: seconds")
     args = p.parse_args(argv)
-    args.aug_pes = args.aug_pes or study_aug_pes()
     if args.smoke:
         args.iters, args.rounds, args.pes, args.aug_pes, args.keeps, args.epochs = 1, 1, ["rope_mixed"], ["rope_mixed"], [1.0, 0.5], 1
         args.lattice_pes = ["fire"]
