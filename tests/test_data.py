@@ -1,6 +1,7 @@
 """Datasets: shapes geometry and rendering, the real loaders on small files in each format, augmentation."""
 import gzip
 import pickle
+import shutil
 import struct
 from pathlib import Path
 
@@ -140,6 +141,25 @@ def test_fashion_mnist_reads_idx_files_through_torchvision(tmp_path, gz):
     xt, _ = ds.split(False, (32, 32))
     assert xt.shape == (6, 1, 32, 32)
     assert (tmp_path / "src" / "FashionMNIST" / "raw" / "train-images-idx3-ubyte").is_file()
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_fashion_mnist_staged_by_two_processes_at_once(tmp_path, monkeypatch, gz):
+    # Two study processes started together stage the same files: a second stager that runs to the end while the first
+    # is half-way through a file must leave the first a file to finish (it once renamed the first's temporary away).
+    truth = write_idx(tmp_path / "src", gz=gz)
+    copy, nested = shutil.copyfileobj, []
+
+    def copy_with_a_rival(fin, fout, *a):
+        if not nested:
+            nested.append(True)
+            D._stage_fashion_mnist(tmp_path / "src")  # the other process, all four files, in the middle of our first
+        copy(fin, fout, *a)
+
+    monkeypatch.setattr(D.shutil, "copyfileobj", copy_with_a_rival)
+    x, _ = load_dataset("fashion_mnist", str(tmp_path / "src")).split(True)
+    assert nested and torch.equal(x[:, 0], torch.from_numpy(truth["train"][0]))
+    assert sorted(p.name for p in (tmp_path / "src" / "FashionMNIST" / "raw").iterdir()) == sorted(D._FMNIST_FILES)  # no temporaries left
 
 
 def test_fashion_mnist_missing_says_the_three_ways(tmp_path, monkeypatch):

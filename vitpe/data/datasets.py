@@ -11,6 +11,7 @@ import gzip
 import os
 import pickle
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -128,6 +129,23 @@ def _shapes(data_dir: Path, train_size: Optional[int], test_size: Optional[int])
 FMNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 
 
+def _stage_file(src: Path, dest: Path) -> None:
+    """Copy ``src`` (or decompress ``src.gz``) to ``dest`` through a temporary of its own, renamed into place: study
+    processes started together stage the same files at once, and none may see or remove another's half-written copy."""
+    gz = not src.is_file()
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fout, (gzip.open(f"{src}.gz", "rb") if gz else open(src, "rb")) as fin:
+            shutil.copyfileobj(fin, fout)
+        os.replace(tmp, dest)
+    except (OSError, EOFError) as e:
+        if not gz:
+            raise
+        raise DataError(f"Fashion-MNIST file {src}.gz is corrupt ({e}); delete it and get a fresh copy") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
 def _stage_fashion_mnist(data_dir: Path) -> None:
     """Put the raw IDX files where torchvision's FashionMNIST looks (``DATA_DIR/FashionMNIST/raw``),
     taking them from DATA_DIR itself, from Debian's dataset-fashion-mnist package, or a download."""
@@ -138,18 +156,8 @@ def _stage_fashion_mnist(data_dir: Path) -> None:
         if all((src / f).is_file() or (src / f"{f}.gz").is_file() for f in _FMNIST_FILES):
             raw.mkdir(parents=True, exist_ok=True)
             for f in _FMNIST_FILES:
-                if (src / f).is_file():
-                    if (src / f).resolve() != (raw / f).resolve():
-                        shutil.copyfile(src / f, raw / f)
-                    continue
-                tmp = raw / f"{f}.tmp"
-                try:
-                    with gzip.open(src / f"{f}.gz", "rb") as fin, open(tmp, "wb") as fout:
-                        shutil.copyfileobj(fin, fout)
-                except (OSError, EOFError) as e:
-                    tmp.unlink(missing_ok=True)
-                    raise DataError(f"Fashion-MNIST file {src / (f + '.gz')} is corrupt ({e}); delete it and get a fresh copy") from None
-                os.replace(tmp, raw / f)
+                if not ((src / f).is_file() and (src / f).resolve() == (raw / f).resolve()):
+                    _stage_file(src / f, raw / f)
             return
     try:
         from torchvision.datasets import FashionMNIST
