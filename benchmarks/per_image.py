@@ -152,26 +152,34 @@ def study_coord_aug() -> Dict[str, float]:
 
 
 def study_aug_pes() -> List[str]:
-    """The families the study trains with coordinate augmentation (every one that reads coordinates)."""
-    return [pe for pe, variant in map(study().parse_row, study().all_rows()) if variant == "aug"]
+    """The families the study trains with coordinate augmentation (every one that reads coordinates), each timed with a
+    draw per image: for the study's PER_BATCH_ONLY families, whose rows draw per batch, this cost is the reason."""
+    return list(dict.fromkeys(pe for pe, variant in map(study().parse_row, study().all_rows()) if variant in study().COORD_AUG))
 
 
 def part_coord_aug(args) -> List[Dict]:
-    """Training throughput of the study's ``FAMILY:aug`` rows: the main job's model without a PE, with the PE, and with
-    the PE and the study's per-image coordinate augmentation, alternated in one process (train.py's step, batch 128)."""
-    aug, arch, rows = study_coord_aug(), MAIN_JOB, []
+    """Training throughput of the study's augmented rows: the main job's model without a PE, with the PE, with the PE
+    and the study's per-image coordinate augmentation, and, for a family whose study row draws once per batch
+    (``FAMILY:augbatch``), with that draw too, alternated in one process (train.py's step, batch 128)."""
+    aug, batch_aug, arch, rows = study_coord_aug(), yaml.safe_load(study().COORD_AUG["augbatch"]), MAIN_JOB, []
     for pe in args.aug_pes or study_aug_pes():
         fns = {"none": recipe_step(vitpe, arch, "none"), pe: recipe_step(vitpe, arch, pe),
                "coord_aug": recipe_step(vitpe, arch, pe, coord_aug=aug)}
+        per_batch = study().in_grid(pe, "augbatch")
+        if per_batch:
+            fns["per batch"] = recipe_step(vitpe, arch, pe, coord_aug=batch_aug)
         times = alternate(fns, args.iters, args.rounds, torch.device("cpu"))
         plain, augmented, aug_plain = ratio(times, "none", pe), ratio(times, "none", "coord_aug"), ratio(times, pe, "coord_aug")
+        batch = ratio(times, pe, "per batch") if per_batch else {}
         rows.append({"arch": arch, "pe": pe, "coord_aug": json.dumps(aug), "none_img_s": 128 / statistics.median(times["none"]),
                      "pe_img_s": 128 / statistics.median(times[pe]), "aug_img_s": 128 / statistics.median(times["coord_aug"]),
                      "pe_over_none": plain["median"], "aug_over_none": augmented["median"], "aug_over_none_min": augmented["min"],
                      "aug_over_none_max": augmented["max"], "aug_over_pe": aug_plain["median"], "aug_over_pe_min": aug_plain["min"],
-                     "aug_over_pe_max": aug_plain["max"], "rounds": args.rounds, "steps_per_round": args.iters})
+                     "aug_over_pe_max": aug_plain["max"], "per_batch_over_pe": batch.get("median"), "per_batch_over_pe_min": batch.get("min"),
+                     "per_batch_over_pe_max": batch.get("max"), "rounds": args.rounds, "steps_per_round": args.iters})
         print(f"[coord_aug] {pe}: {rows[-1]['aug_img_s']:.0f} img/s with coord_aug, {augmented['median']:.3f} of none's speed "
-              f"(rounds {augmented['min']:.3f}..{augmented['max']:.3f}), {aug_plain['median']:.3f} of {pe}'s without it")
+              f"(rounds {augmented['min']:.3f}..{augmented['max']:.3f}), {aug_plain['median']:.3f} of {pe}'s without it"
+              + (f"; drawn per batch {batch['median']:.3f} of {pe}'s (rounds {batch['min']:.3f}..{batch['max']:.3f})" if batch else ""))
     return rows
 
 
@@ -329,7 +337,7 @@ def main(argv=None) -> int:
     p.add_argument("--with-coord-aug", action="store_true",
                    help="baseline: both sides train with the study's coordinate augmentation (results: part baseline_coord_aug)")
     p.add_argument("--pes", nargs="+", default=["sincos2d", "rope_mixed", "rel_bias"])
-    p.add_argument("--aug-pes", nargs="+", help="coord_aug: the PEs measured (default: the families of the study's FAMILY:aug rows)")
+    p.add_argument("--aug-pes", nargs="+", help="coord_aug: the PEs measured (default: the families of the study's augmented rows)")
     p.add_argument("--lattice-pes", nargs="+", default=["fire", "cpb", "rel_bias", "lookhere"], help="lattice: the bias families measured")
     p.add_argument("--keeps", nargs="+", type=float, default=[1.0, 0.5, 0.25])
     p.add_argument("--iters", type=int, default=5, help="steps per timed round")
@@ -340,7 +348,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny settings: seconds")
     args = p.parse_args(argv)
     if args.smoke:
-        args.iters, args.rounds, args.pes, args.aug_pes, args.keeps, args.epochs = 1, 1, ["rope_mixed"], ["rope_mixed"], [1.0, 0.5], 1
+        args.iters, args.rounds, args.pes, args.keeps, args.epochs = 1, 1, ["rope_mixed"], [1.0, 0.5], 1
+        args.aug_pes = [study().PER_BATCH_CONTROL]  # a family the study also trains with a draw per batch: both timed
         args.lattice_pes = ["fire"]
         for a in ARCHS.values():
             a.update(embed_dim=24, depth=1, num_heads=2)

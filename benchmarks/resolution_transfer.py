@@ -10,8 +10,9 @@ route and the RoPE extrapolation controls, with each layer's attention distance 
     python benchmarks/resolution_transfer.py --smoke                              # seconds: checks the script still runs
     python benchmarks/resolution_transfer.py --jobs 2 --data shapes --seeds 1 2   # two runs at a time, a core each
 
-A row is a family name, or ``FAMILY:aug`` (``model.coord_aug`` = AUG below, a draw per image) or ``FAMILY:multires``
-(``train.resolution_range`` = half to twice the training size). The recipe of every row of a dataset is one config,
+A row is a family name, or ``FAMILY:aug`` (``model.coord_aug`` = AUG below, a draw per image), ``FAMILY:augbatch`` (the
+same, one draw per batch: the default for PER_BATCH_ONLY, whose draw per image costs 30 times their training) or
+``FAMILY:multires`` (``train.resolution_range`` = half to twice the training size). The recipe of every row of a dataset is one config,
 ``configs/study_DATA.yaml``. Runs go to OUT/runs/DATA-ROW-seedS-eEPOCHS: a finished run is reused and an interrupted
 one resumed (one trained with another config than asked for is refused, never reused), and each run's rows are
 merged into OUT/results.json (and the report rewritten) as soon as it is measured, so the study can be stopped and
@@ -65,8 +66,16 @@ SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 DATASETS = ("shapes", "fashion_mnist")
 CONFIGS = {data: ROOT / "configs" / f"study_{data}.yaml" for data in DATASETS}
 AUG = "{shift: 1.0, rescale: 2.0, jitter: 1.25}"  # one patch of shift, half to twice the scale, 25% aspect (DINOv3-like)
-VARIANTS = ("", "aug", "multires")
+# A row's model.coord_aug by variant: ``:aug`` draws per image (CAPE), ``:augbatch`` the same distribution once per
+# batch (as DINOv3's RoPE augmentation does), so the grid stays shared by the batch.
+COORD_AUG = {"aug": AUG, "augbatch": AUG.replace("}", ", per_image: false}")}
+VARIANTS = ("", *COORD_AUG, "multires")
 NO_COORDS = ("none", "peg")  # they read no coordinates: one coordinate mode, no coordinate augmentation
+# Families whose per-image draw the grid does not afford: a matrix exponential per image and token (liere; comrope off
+# a shared lattice) trains at 0.03 of the family's own speed (docs/benchmarks.md, every :aug family), ~15 h a seed.
+# Their default augmented row draws per batch; rope_axial's is the control that says what per batch changes.
+PER_BATCH_ONLY = ("liere", "comrope")
+PER_BATCH_CONTROL = "rope_axial"
 ROPE_CONTROLS = ("ntk", "yarn")
 CONVERGED_POINTS = 0.3
 SEEDS = (0, 1, 2)  # the seeds every row is measured with (the issue's "at least 3"), unless --seeds says otherwise
@@ -85,18 +94,35 @@ ORDERINGS = (
     # Coordinate augmentation is these papers' recipe for resolution robustness; here it is drawn per image.
     ("sincos2d:aug", "sincos2d", 2.0, "CAPE: sin-cos APE trained on shifted and rescaled coordinates transfers better"),
     ("rope_axial:aug", "rope_axial", 2.0, "DINOv3: RoPE trained on shifted, jittered and rescaled coordinates transfers better"),
+    # Not a paper's claim: whether the per-batch draw of the PER_BATCH_ONLY rows stands in for a draw per image.
+    (f"{PER_BATCH_CONTROL}:aug", f"{PER_BATCH_CONTROL}:augbatch", 2.0, "CAPE against DINOv3: a draw per image transfers better than one per batch"),
 )
 
 
+def in_grid(pe: str, variant: str) -> bool:
+    """Whether the study's default grid has the row: every family plain and multi-size; with coordinate augmentation
+    every family that reads coordinates, per image, or per batch where a draw per image is unaffordable (and the control)."""
+    if variant in COORD_AUG and pe in NO_COORDS:
+        return False
+    if variant == "aug":
+        return pe not in PER_BATCH_ONLY
+    if variant == "augbatch":
+        return pe in PER_BATCH_ONLY or pe == PER_BATCH_CONTROL
+    return True
+
+
 def all_rows() -> List[str]:
-    return [f"{pe}:{v}" if v else pe for v in VARIANTS for pe in vitpe.list_pos_embeds() if not (v == "aug" and pe in NO_COORDS)]
+    return [f"{pe}:{v}" if v else pe for v in VARIANTS for pe in vitpe.list_pos_embeds() if in_grid(pe, v)]
 
 
 def parse_row(row: str) -> Tuple[str, str]:
+    """``FAMILY[:VARIANT]`` -> (family, variant). Any family that reads coordinates takes either augmentation, in the
+    default grid or not (``liere:aug`` runs when asked for)."""
     pe, _, variant = row.partition(":")
-    if pe not in vitpe.list_pos_embeds() or variant not in VARIANTS or (variant == "aug" and pe in NO_COORDS):
-        raise SystemExit(f"unknown study row {row!r}: a family of vitpe.list_pos_embeds(), optionally with :aug or :multires "
-                         f"(not :aug for {', '.join(NO_COORDS)}, which read no coordinates)")
+    if pe not in vitpe.list_pos_embeds() or variant not in VARIANTS or (variant in COORD_AUG and pe in NO_COORDS):
+        raise SystemExit(f"unknown study row {row!r}: a family of vitpe.list_pos_embeds(), optionally with "
+                         f"{', '.join(':' + v for v in VARIANTS if v)} (no coordinate augmentation for {', '.join(NO_COORDS)}, "
+                         "which read no coordinates)")
     return pe, variant
 
 
@@ -110,8 +136,8 @@ def train_args(data: str, row: str, seed: int, args) -> List[str]:
     config = args.config or CONFIGS[data]
     cfg = study_config(data, args)
     cmd = ["--config", str(config), "--pe", pe, "--set", f"train.seed={seed}"]
-    if variant == "aug":
-        cmd += ["--set", f"model.coord_aug={AUG}"]
+    if variant in COORD_AUG:
+        cmd += ["--set", f"model.coord_aug={COORD_AUG[variant]}"]
     if variant == "multires":
         size, patch = cfg.model.img_size, cfg.model.patch_size
         cmd += ["--set", f"train.resolution_range=[{snap(size / 2, patch)}, {snap(2 * size, patch)}]"]
@@ -568,8 +594,7 @@ def plot(sub: List[Dict], group: Dict, data: str, out: Path) -> None:
     from vitpe.viz import pyplot
 
     plt = pyplot()
-    panels = [("plain", "top-1 (%)", lambda r: 100 * r["top1"]), ("aug", "top-1 (%)", lambda r: 100 * r["top1"]),
-              ("multires", "top-1 (%)", lambda r: 100 * r["top1"])]
+    panels = [(variant or "plain", "top-1 (%)", lambda r: 100 * r["top1"]) for variant in VARIANTS]
     attention = [("plain", "last layer: attention entropy - log(keys / keys at 1x) (nats)", lambda r: grid_entropy(r, group)),
                  ("plain", "last layer: mean attention distance (training-grid cells)", lambda r: (r.get("attn_distance_ref") or [None])[-1])]
     measured = {r["variant"] for r in sub}

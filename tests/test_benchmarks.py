@@ -187,6 +187,36 @@ def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_needed_to_
     assert study.first_epochs(tmp_path / "fresh", "shapes", "peg", 24, 48, study.load_trained(tmp_path)) == 48
 
 
+def test_resolution_transfer_grid_draws_per_batch_where_a_draw_per_image_is_unaffordable():
+    study = load("resolution_transfer")
+    coordinate_families = [pe for pe in vitpe.list_pos_embeds() if pe not in study.NO_COORDS]
+    rows = study.all_rows()
+    assert len(rows) == len(set(rows))
+    assert {r.partition(":")[0] for r in rows if r.endswith(":aug")} == set(coordinate_families) - {"liere", "comrope"}
+    assert {r.partition(":")[0] for r in rows if r.endswith(":augbatch")} == {"liere", "comrope", "rope_axial"}  # and the control
+    assert {r for r in rows if ":" not in r} == {r.partition(":")[0] for r in rows if r.endswith(":multires")} == set(vitpe.list_pos_embeds())
+    assert study.parse_row("liere:aug") == ("liere", "aug")  # out of the grid, still there to ask for
+    for bad in ("none:augbatch", "peg:aug", "rope_axial:batch"):
+        with pytest.raises(SystemExit, match="unknown study row"):
+            study.parse_row(bad)
+    args = argparse.Namespace(config=None, set=[])
+    per_batch = study.train_args("shapes", "liere:augbatch", 0, args)
+    per_image = study.train_args("shapes", "rope_axial:aug", 0, args)
+    assert "model.coord_aug={shift: 1.0, rescale: 2.0, jitter: 1.25, per_image: false}" in per_batch
+    assert "model.coord_aug={shift: 1.0, rescale: 2.0, jitter: 1.25}" in per_image
+
+
+def test_resolution_transfer_trains_a_per_batch_row(tmp_path, capsys):
+    study = load("resolution_transfer")
+    assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "comrope:augbatch", "--max-epochs", "1"]) == 0
+    [entry] = json.loads((tmp_path / "trained.json").read_text())
+    assert entry["row"] == "comrope:augbatch" and entry["config"]["model"]["coord_aug"] == {
+        "shift": 1.0, "rescale": 2.0, "jitter": 1.25, "per_image": False}
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert {r["variant"] for r in rows} == {"augbatch"} and all(0 <= r["top1"] <= 1 for r in rows)
+    assert "| comrope:augbatch |" in (tmp_path / "table.md").read_text()
+
+
 def test_resolution_transfer_orderings_weigh_the_seed_spread_and_convergence(tmp_path):
     study = load("resolution_transfer")
     # A misspelt row would read "not measured yet" forever: every ordering names rows the study can train.
@@ -380,8 +410,9 @@ def test_per_image_smoke(tmp_path):
     assert load("per_image").main(["--smoke", "--parts", "token_keep", "packing", "coord_aug", "lattice", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "per_image.json").read_text())
     aug = data["coord_aug"][0]  # the study's own augmentation, timed against the same PE without it and against none
-    assert aug["pe"] == "rope_mixed" and json.loads(aug["coord_aug"]) == {"shift": 1.0, "rescale": 2.0, "jitter": 1.25}
+    assert aug["pe"] == "rope_axial" and json.loads(aug["coord_aug"]) == {"shift": 1.0, "rescale": 2.0, "jitter": 1.25}
     assert aug["aug_img_s"] > 0 and aug["aug_over_pe"] > 0
+    assert aug["per_batch_over_pe_min"] <= aug["per_batch_over_pe"] <= aug["per_batch_over_pe_max"]  # its study row also draws per batch
     lattice = data["lattice"][0]  # packed rows of several images each, lattice path against every pair
     assert lattice["pe"] == "fire" and lattice["images_per_row"] > 1 and lattice["speedup"] > 0
     keeps = {(r["arch"], r["token_keep"]) for r in data["token_keep"]}
