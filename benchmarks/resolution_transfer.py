@@ -9,6 +9,7 @@ route and the RoPE extrapolation controls, with each layer's attention distance 
     python benchmarks/resolution_transfer.py --report                             # tables and plots from results.json
     python benchmarks/resolution_transfer.py --smoke                              # seconds: checks the script still runs
     python benchmarks/resolution_transfer.py --jobs 2 --data shapes --seeds 1 2   # two runs at a time, a core each
+    python benchmarks/resolution_transfer.py --park                               # unfinished runs into OUT/parked, to commit
 
 A row is a family name, or ``FAMILY:aug`` (``model.coord_aug`` = AUG below, a draw per image), ``FAMILY:augbatch`` (the
 same, one draw per batch: the default for PER_BATCH_ONLY, whose draw per image costs 30 times their training) or
@@ -18,6 +19,8 @@ one resumed (one trained with another config than asked for is refused, never re
 merged into OUT/results.json (and the report rewritten) as soon as it is measured, so the study can be stopped and
 restarted at any point, across sessions. The runs are git-ignored; OUT/trained.json, committed, records each run's
 config and convergence, so that on another machine a seed already measured with this recipe is not trained again.
+A run longer than a machine is kept: stop the study (it saves at a step boundary), ``--park`` copies every unfinished
+run to OUT/parked, commit it, and the study on the next machine goes on from there (removing the copy once it ends).
 
 Convergence: a run has converged when its test top-1 rose by less than CONVERGED_POINTS over the last fifth of its
 epochs. A run that has not is trained again from scratch with twice the epochs, up to --max-epochs (by default
@@ -38,6 +41,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -51,7 +55,7 @@ from vitpe.checkpoint import checkpoint_config, load_checkpoint, model_from_chec
 from vitpe.config import apply_overrides, load_config
 from vitpe.coords import snap
 from vitpe.evaluation import DEFAULT_ASPECTS, dataset_of, evaluate_at
-from vitpe.runs import config_changes, safe_name, train_or_reuse, write_csv
+from vitpe.runs import RunError, config_changes, park_run, safe_name, train_or_reuse, unpark_run, write_csv
 from vitpe.timing import usable_cores
 from vitpe.training import parse_args, resolve_config
 
@@ -78,6 +82,7 @@ PER_BATCH_ONLY = ("liere", "comrope")
 PER_BATCH_CONTROL = "rope_axial"
 ROPE_CONTROLS = ("ntk", "yarn")
 CONVERGED_POINTS = 0.3
+PARKED = "parked"  # OUT/parked/RUN: unfinished runs committed for the next machine (--park), where OUT/runs is git-ignored
 SEEDS = (0, 1, 2)  # the seeds every row is measured with (the issue's "at least 3"), unless --seeds says otherwise
 # How many times a run still moving is trained again with twice its recipe's epochs (--max-epochs overrides the cap
 # this gives). shapes: once, 24 -> 48, which every shapes row measured converged within. Fashion-MNIST: never, for the
@@ -154,9 +159,14 @@ def train_converged(data: str, row: str, seed: int, args, runs: Path, results: L
     most = epoch_cap(data, recipe, args)
     epochs = first_epochs(runs, data, row, recipe, most, [*results, *load_trained(runs.parent)])
     while True:
-        name = f"{data}-{row}-seed{seed}-e{epochs}"  # the epochs in the name: a run is never taken for a longer one
-        run = train_or_reuse(runs / safe_name(name), [*train_args(data, row, seed, args), "--set", f"train.epochs={epochs}"],
-                             f"{data} {row} seed {seed}, {epochs} epochs")
+        name = safe_name(f"{data}-{row}-seed{seed}-e{epochs}")  # the epochs in the name: a run is never taken for a longer one
+        label, parked = f"{data} {row} seed {seed}, {epochs} epochs", runs.parent / PARKED / name
+        if unpark_run(parked, runs / name):
+            print(f"[{label}] brought back from {parked} (parked by another machine): it goes on where it stopped")
+        run = train_or_reuse(runs / name, [*train_args(data, row, seed, args), "--set", f"train.epochs={epochs}"], label)
+        if parked.exists():  # finished: the parked copy has done its work (commit its removal)
+            shutil.rmtree(parked)
+            print(f"[{label}] finished: its parked copy {parked} is removed")
         state = load_checkpoint(run)
         verdict = convergence(state["metrics"])
         done = verdict["converged"] or 2 * epochs > most
@@ -166,6 +176,21 @@ def train_converged(data: str, row: str, seed: int, args, runs: Path, results: L
             return run
         print(f"[{data} {row} seed {seed}] still moving after {epochs} epochs: training {2 * epochs}")
         epochs *= 2
+
+
+def park(out: Path) -> int:
+    """``--park``: every unfinished run in OUT/runs copied to OUT/PARKED (committed), for the next machine to go on with:
+    the study brings a parked run back when it reaches it (``train_converged``) and removes the copy once it finishes."""
+    parked = 0
+    for run in sorted(p for p in (out / "runs").iterdir() if p.is_dir() and not p.name.startswith(".")):
+        try:
+            if park_run(run, out / PARKED / run.name):
+                parked += 1
+                print(f"parked {run.name} ({(out / PARKED / run.name / 'checkpoint.pt').stat().st_size / 1e6:.1f} MB)")
+        except RunError as e:
+            print(f"{e}: not parked")
+    print(f"{parked} unfinished run{'s' * (parked != 1)} parked in {out / PARKED}" + (": commit it" if parked else ""))
+    return 0
 
 
 def epoch_cap(data: str, recipe: int, args) -> int:
@@ -692,6 +717,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], help="extra config override for every run")
     p.add_argument("--out", default=str(ROOT / "docs" / "resolution_transfer"))
     p.add_argument("--report", action="store_true", help="only rewrite the tables and plots from OUT/results.json")
+    p.add_argument("--park", action="store_true", help="copy every unfinished run to OUT/parked (git tracks it; stop the study "
+                                                       "first): a later study on another machine goes on from there")
     p.add_argument("--smoke", action="store_true", help="tiny config, two rows, one seed, shapes only: seconds")
     p.add_argument("--jobs", type=int, default=1, help="study processes at once, the cores split between them; each logs "
                                                         "to OUT/runs/jobK.log")
@@ -700,7 +727,7 @@ def main(argv=None) -> int:
         p.error("--jobs must be at least 1")
     if args.max_epochs is not None and args.max_epochs < 1:
         p.error("--max-epochs must be at least 1")
-    if args.jobs > 1 and not args.report:
+    if args.jobs > 1 and not (args.report or args.park):
         return run_jobs(list(sys.argv[1:] if argv is None else argv), args.jobs, Path(args.out))
     if args.smoke:
         args.data, args.config, args.eval_size, args.seeds, args.diagnostics = ["shapes"], ROOT / "configs" / "tiny.yaml", 32, [0], 4
@@ -709,6 +736,8 @@ def main(argv=None) -> int:
         args.set = args.set + ["train.epochs=1"]
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    if args.park:
+        return park(out)
     if args.report:
         with study_lock(out):
             report(load_results(out), out)

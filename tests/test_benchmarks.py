@@ -163,6 +163,52 @@ def test_resolution_transfer_jobs_pass_a_stop_on_and_resume(tmp_path):
     assert {r["row"] for r in json.loads((tmp_path / "results.json").read_text())} == {"learned", "rope_axial"}
 
 
+def test_resolution_transfer_parks_an_unfinished_run_for_the_next_machine(tmp_path, capsys):
+    """Run directories are git-ignored and go with their machine: --park copies an unfinished run to OUT/parked (which
+    git tracks), and a study on a machine without the run goes on from the parked step, then drops the copy."""
+    import os
+    import signal
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from vitpe.checkpoint import load_checkpoint
+    from vitpe.runs import RunLock, unpark_run
+
+    study = load("resolution_transfer")
+    cmd = ["--smoke", "--out", str(tmp_path), "--rows", "learned", "--max-epochs", "1"]
+    updates = []
+
+    def stop_at_third(optimizer, args, kwargs):  # the end of a session: SIGTERM, saved at the step boundary
+        updates.append(1)
+        if len(updates) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    hook = register_optimizer_step_post_hook(stop_at_third)
+    try:
+        with pytest.raises(SystemExit, match="stopped by SIGTERM"):
+            study.main(cmd)
+    finally:
+        hook.remove()
+    run = tmp_path / "runs" / "shapes-learned-seed0-e1"
+    parked = tmp_path / "parked" / run.name
+    with RunLock(run):  # a run still training is not copied half-way
+        assert study.main(["--park", "--out", str(tmp_path)]) == 0
+    assert "is in use by process" in capsys.readouterr().out and not parked.exists()
+    assert study.main(["--park", "--out", str(tmp_path)]) == 0
+    assert "1 unfinished run parked" in capsys.readouterr().out
+    assert {p.name for p in parked.iterdir()} == {"checkpoint.pt", "config.yaml"}  # stopped in its first epoch: no metrics yet
+    assert (load_checkpoint(parked)["epoch"], load_checkpoint(parked)["step"]) == (0, 3)
+    assert not unpark_run(parked, run)  # the run got as far on this machine: nothing brought back over it
+    shutil.rmtree(tmp_path / "runs")  # the next machine: a fresh clone with the parked copy, no runs
+    assert study.main(cmd) == 0
+    out = capsys.readouterr().out
+    assert "brought back from" in out and "at epoch 1, step 3/8" in out and "its parked copy" in out
+    assert not parked.exists() and load_checkpoint(run)["epoch"] == 1
+    assert {r["row"] for r in json.loads((tmp_path / "results.json").read_text())} == {"learned"}
+    assert study.main(["--park", "--out", str(tmp_path)]) == 0  # a finished run stays where it is
+    assert "0 unfinished runs parked" in capsys.readouterr().out and not parked.exists()
+
+
 def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_needed_to_go(tmp_path):
     study = load("resolution_transfer")
     runs = tmp_path / "runs"

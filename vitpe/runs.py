@@ -6,13 +6,15 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import VitpeError
 
-__all__ = ["RunError", "safe_name", "create_run_dir", "RunLock", "write_metrics", "write_csv", "pid_alive", "config_changes", "train_or_reuse"]
+__all__ = ["RunError", "safe_name", "create_run_dir", "RunLock", "write_metrics", "write_csv", "pid_alive", "config_changes", "train_or_reuse",
+           "park_run", "unpark_run"]
 
 LOCK_NAME = ".lock"
 
@@ -152,3 +154,66 @@ def train_or_reuse(run: Path, args: List[str], label: str) -> Path:
     if rc != 0:
         raise SystemExit(f"training {run} failed with exit code {rc}")
     return run
+
+
+# What a run needs to go on elsewhere: its checkpoint (weights, optimiser, EMA, step), config and metrics so far.
+PARKED_FILES = ("checkpoint.pt", "config.yaml", "metrics.jsonl", "metrics.csv")
+
+
+def _progress(run: Path) -> Optional[Tuple[int, int, int]]:
+    """``(epoch, step, epochs)`` of the run's checkpoint (a checksum-verified load), None without one."""
+    from .checkpoint import CHECKPOINT_NAME, checkpoint_config, load_checkpoint
+
+    if not (run / CHECKPOINT_NAME).is_file():
+        return None
+    state = load_checkpoint(run)
+    return state["epoch"], state["step"], checkpoint_config(state).train.epochs
+
+
+def _copy_run_files(src: Path, dest: Path) -> None:
+    """PARKED_FILES of ``src`` into a fresh ``dest``, which appears whole or not at all (built beside it, renamed in)."""
+    tmp, old = dest.with_name(f".{dest.name}.tmp{os.getpid()}"), dest.with_name(f".{dest.name}.old{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in PARKED_FILES:
+        if (src / f).is_file():
+            shutil.copy2(src / f, tmp / f)
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def park_run(run: Path, parked: Path) -> bool:
+    """Copy an unfinished run's checkpoint, config and metrics to ``parked``, a folder git tracks. Run directories are
+    git-ignored and go with their machine; a run longer than one machine is kept (hours of a study, on machines handed
+    out per session) is committed parked and goes on where it stopped on the next (:func:`unpark_run`). False for a
+    finished run or one with no checkpoint yet; :class:`RunError` for one a process is training (stop it first: it
+    saves at its next step boundary)."""
+    run, parked = Path(run), Path(parked)
+    with RunLock(run):
+        progress = _progress(run)
+        if progress is None or progress[0] >= progress[2]:
+            return False
+        _copy_run_files(run, parked)
+    return True
+
+
+def unpark_run(parked: Path, run: Path) -> bool:
+    """Bring a parked run (:func:`park_run`) back into ``run`` unless ``run`` has got as far on its own; True if it did.
+    The next ``train_or_reuse`` (or ``train.py --resume``) then goes on from the parked step."""
+    parked, run = Path(parked), Path(run)
+    theirs = _progress(parked)
+    if theirs is None:
+        return False
+    run.mkdir(parents=True, exist_ok=True)
+    with RunLock(run):
+        ours = _progress(run)
+        if ours is not None and ours[:2] >= theirs[:2]:
+            return False
+        for f in PARKED_FILES:
+            if (parked / f).is_file():
+                tmp = run / f".{f}.tmp{os.getpid()}"
+                shutil.copy2(parked / f, tmp)
+                os.replace(tmp, run / f)
+    return True
