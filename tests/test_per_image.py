@@ -1,4 +1,7 @@
 """Coordinates per image: packed mixed-size rows, token dropping and per-image coordinate augmentation, for every PE."""
+import re
+import warnings
+
 import pytest
 import torch
 from conftest import ALL_PE
@@ -109,6 +112,7 @@ def test_per_image_augmentation_of_magnitude_zero_equals_the_shared_grid(pe):
 
 
 @pytest.mark.parametrize("pe", PES)
+@pytest.mark.filterwarnings("ignore:coord_aug draws per image")  # liere's and comrope's cost: the test below
 def test_per_image_augmentation_draws_per_image_for_every_family(pe):
     m = small(pe, coord_aug={"shift": 1.0, "rescale": 1.5, "jitter": 1.2}).train()
     x = torch.randn(4, 3, 16, 16)
@@ -121,6 +125,18 @@ def test_per_image_augmentation_draws_per_image_for_every_family(pe):
     g = aug(packed.grid.rebased((4, 4), "interpolate"))
     per_token = g.affine[0, :38]
     assert len({tuple(a) for a in per_token.tolist()}) == 3  # one draw per packed image, shared by its tokens
+
+
+def test_a_draw_per_image_warns_where_rotations_are_matrix_exponentials():
+    # liere / comrope on per-image coordinates: an exponential per image and token (0.03 of their speed, measured).
+    for pe in ("liere", "comrope", "sincos2d+liere"):
+        with pytest.warns(UserWarning, match=rf"{re.escape(repr(pe))} takes a matrix exponential per image.*per_image: false draws once per batch"):
+            small(pe, coord_aug={"shift": 1.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning where a draw costs nothing more
+        small("liere", coord_aug={"shift": 1.0, "per_image": False})
+        small("comrope")
+        small("rope_mixed", coord_aug={"shift": 1.0})
 
 
 def test_shared_grid_keeps_one_shared_bias_per_image_grids_one_each():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
@@ -20,6 +21,7 @@ from .coords import COORD_MODES, CoordAugment, PatchGrid, TokenGrid, content_tok
 from .packing import Packed
 from .patch import resize_patch_embed
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
+from .pos_embed.lie import MatrixRotary
 
 __all__ = ["POOLS", "Attention", "Block", "LayerScale", "VisionTransformer", "attend", "compute_dtype", "position_tokens", "sdpa_override",
            "take_indices"]
@@ -312,6 +314,10 @@ class VisionTransformer(nn.Module):
         self.pos_embed: PosEmbed = build_pos_embed(
             pos_embed, dim=embed_dim, num_heads=num_heads, ref_grid=self.ref_grid, depth=depth, **(pos_embed_kwargs or {})
         )
+        if self.coord_aug.active and self.coord_aug.per_image and any(isinstance(m, MatrixRotary) for m in self.pos_embed.modules()):
+            warnings.warn(f"coord_aug draws per image, so {pos_embed!r} takes a matrix exponential per image, token, layer and head "
+                          "instead of one set per batch: training runs about 30x slower (docs/benchmarks.md, 'A draw per batch'); "
+                          "coord_aug per_image: false draws once per batch at no cost, as DINOv3 does", stacklevel=2)
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth grows with depth
         self.blocks = nn.ModuleList(
