@@ -128,9 +128,9 @@ def test_per_image_augmentation_draws_per_image_for_every_family(pe):
 
 
 def test_a_draw_per_image_warns_where_rotations_are_matrix_exponentials():
-    # liere / comrope on per-image coordinates: an exponential per image and token (0.03 of their speed, measured).
+    # liere / comrope on per-image coordinates: exponentials per image (0.03 and 0.11 of their speed, measured).
     for pe in ("liere", "comrope", "sincos2d+liere"):
-        with pytest.warns(UserWarning, match=rf"{re.escape(repr(pe))} takes a matrix exponential per image.*per_image: false draws once per batch"):
+        with pytest.warns(UserWarning, match=rf"{re.escape(repr(pe))} takes matrix exponentials per image.*per_image: false draws once per batch"):
             small(pe, coord_aug={"shift": 1.0})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning where a draw costs nothing more
@@ -288,3 +288,39 @@ def test_per_image_lattices_give_the_every_pair_bias(pe, mode, monkeypatch):
         assert all(p.grad.isfinite().all() for p in enc.parameters() if p.grad is not None), f"{pe} {mode}"
     per_token = grids["augmented"].augmented(torch.rand(3, 30, 4) + 0.5)  # a different affine per token: no lattice
     assert bias_module._row_lattices(per_token) is None
+
+
+@pytest.mark.parametrize("mode", ["interpolate", "normalize"])
+@pytest.mark.parametrize("variant", ["ld", "ap"])
+def test_comrope_on_per_image_lattices_takes_w_plus_h_exponentials_per_image(variant, mode, monkeypatch):
+    # Commuting generators: exp(x A_x + y A_y) = exp(x A_x) exp(y A_y), and on a lattice per image x depends on the
+    # column alone, y on the row: one exponential per image column and row must give every token's rotation.
+    import vitpe.pos_embed.lie as lie
+
+    enc = vitpe.build_pos_embed("comrope", dim=32, num_heads=2, ref_grid=(4, 4), depth=2, variant=variant)
+    torch.manual_seed(0)
+    augment = vitpe.CoordAugment(shift=1.0, rescale=2.0, jitter=1.25)
+    grids = {"augmented": augment(vitpe.PatchGrid.create((6, 5), (4, 4), mode), 3)}
+    grids["augmented, dropped"] = grids["augmented"].keep_random(0.5)
+    # Two images to a row, each its own lattice (own step, own augmentation), some tokens dropped, padding.
+    grids["packed, augmented, dropped"] = augment(pack_images([torch.randn(3, 4 * h, 4 * w) for h, w in [(6, 5), (6, 5), (5, 5), (6, 4)]],
+                                                              4, 48, token_keep=0.75, ref_grid=(4, 4), coord_mode=mode).grid)
+    exponentials = []
+    matrix_exp = torch.linalg.matrix_exp
+    monkeypatch.setattr(torch.linalg, "matrix_exp", lambda a: exponentials.append(a.shape[:-2].numel()) or matrix_exp(a))
+    for name, grid in grids.items():
+        per_token = lie.generator_rotations(grid.coords, enc.generators())  # one exponential per token
+        exponentials.clear()
+        fast = enc.rope_rotations(grid)
+        assert lie._row_axes(grid, grid.coords) is not None, name  # the fast path is taken
+        assert sum(exponentials) < per_token[..., 0, 0].numel(), name  # (B, L, H, S (w + h), K) against (B, L, H, N, K)
+        keep = torch.ones(grid.coords.shape[:2], dtype=torch.bool)
+        if grid.segments is not None:  # padding tokens' rotations are never read
+            assert grid.images_per_row == 2 and (grid.segments < 0).any()
+            keep = grid.segments >= 0
+        torch.testing.assert_close(fast.movedim(-4, 1)[keep], per_token.movedim(-4, 1)[keep], atol=1e-5, rtol=1e-5, msg=name)
+    liere = vitpe.build_pos_embed("liere", dim=32, num_heads=2, ref_grid=(4, 4), depth=2)
+    assert lie._row_axes(grids["augmented"], grids["augmented"].coords) is not None
+    torch.testing.assert_close(liere.rope_rotations(grids["augmented"]), lie.generator_rotations(grids["augmented"].coords, liere.generators()))
+    off_lattice = grids["augmented"].augmented(torch.rand(3, 30, 4) + 0.5)  # a different affine per token: no lattice
+    assert lie._row_axes(off_lattice, off_lattice.coords) is None

@@ -395,7 +395,7 @@ class CoordAugment:
     ``jitter``: a further per-axis factor drawn log-uniformly in ``[1/jitter, jitter]``.
     ``per_image``: one draw per image (a :class:`TokenGrid`; bias encodings then build one bias per image), or
     ``False``: one per batch, as DINOv3 draws (the grid stays shared, biases and matrix rotations too: with liere or
-    comrope a draw per image costs an exponential per image and token). Draws come from torch's global generator.
+    comrope a draw per image costs matrix exponentials per image). Draws come from torch's global generator.
     """
 
     shift: float = 0.0

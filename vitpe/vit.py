@@ -315,9 +315,9 @@ class VisionTransformer(nn.Module):
             pos_embed, dim=embed_dim, num_heads=num_heads, ref_grid=self.ref_grid, depth=depth, **(pos_embed_kwargs or {})
         )
         if self.coord_aug.active and self.coord_aug.per_image and any(isinstance(m, MatrixRotary) for m in self.pos_embed.modules()):
-            warnings.warn(f"coord_aug draws per image, so {pos_embed!r} takes a matrix exponential per image, token, layer and head "
-                          "instead of one set per batch: training runs about 30x slower (docs/benchmarks.md, 'A draw per batch'); "
-                          "coord_aug per_image: false draws once per batch at no cost, as DINOv3 does", stacklevel=2)
+            warnings.warn(f"coord_aug draws per image, so {pos_embed!r} takes matrix exponentials per image (liere: per token) "
+                          "instead of one set per batch: training runs about 9x (comrope) to 35x (liere) slower (docs/benchmarks.md, "
+                          "'A draw per batch'); coord_aug per_image: false draws once per batch at no cost, as DINOv3 does", stacklevel=2)
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth grows with depth
         self.blocks = nn.ModuleList(

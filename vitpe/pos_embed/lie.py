@@ -8,7 +8,7 @@ coordinates); NTK, YaRN and p-RoPE act on explicit frequencies and raise here.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +20,29 @@ from .registry import register_pos_embed
 from .rotary import length_ratio
 
 __all__ = ["MatrixRotary", "LieRE", "ComRoPE"]
+
+
+def _row_axes(grid, coords: Tensor) -> Optional[Tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """Per-image coordinates in which each image is a lattice of its own (scaled and shifted per image by
+    ``coord_aug``, perhaps token-dropped or packed several to a row) take one ``x`` per grid column and one ``y`` per grid
+    row of each image. Returns those values, ``xs`` ``(B, S*w)`` and ``ys`` ``(B, S*h)`` for ``S`` slots per row (a packed
+    row's images and a spare one for padding), and each token's index into them, ``(B, N)`` twice, so that commuting
+    generators take ``w + h`` exponentials per image instead of one per token. None for anything else (coordinates
+    given directly, per-token affines). ``coords``: the grid's, perhaps rescaled per image (position interpolation).
+    Reads no data: ``torch.compile`` traces it."""
+    if not grid.batched or grid.cells is None or grid.canvas is None or grid.mode is None or not grid.affine_per_image:
+        return None
+    h, w = grid.canvas
+    col, row = grid.cells[..., 0], grid.cells[..., 1]
+    slots = 1 if grid.segments is None else grid.images_per_row + 1  # padding (segment -1): a spare slot no image reads
+    if slots * (w + h) >= coords.shape[1]:  # no fewer exponentials than one per token
+        return None
+    if grid.segments is not None:
+        slot = torch.where(grid.segments < 0, slots - 1, grid.segments)
+        col, row = slot * w + col, slot * h + row
+    xs = coords.new_zeros(coords.shape[0], slots * w).scatter(1, col, coords[..., 0])  # every token of a column: one x
+    ys = coords.new_zeros(coords.shape[0], slots * h).scatter(1, row, coords[..., 1])
+    return xs, ys, col, row
 
 
 class MatrixRotary(PosEmbed):
@@ -69,6 +92,13 @@ class MatrixRotary(PosEmbed):
         if self.commuting and grid.spacing is not None:  # a lattice: w + h exponentials instead of h w
             h, w = grid.size
             return commuting_lattice_rotations(coords[:w, 0], coords[::w, 1], gens)
+        axes = _row_axes(grid, coords) if self.commuting else None
+        if axes is not None:  # a lattice per image: w + h exponentials per image, exp(x A_x) exp(y A_y) per token
+            xs, ys, col, row = axes
+            pick = torch.arange(col.shape[0], device=col.device)[:, None]
+            ex = generator_rotations(torch.stack([xs, torch.zeros_like(xs)], -1), gens).movedim(-4, 1)  # (B, S w, L, H, K, b, b)
+            ey = generator_rotations(torch.stack([torch.zeros_like(ys), ys], -1), gens).movedim(-4, 1)
+            return (ex[pick, col] @ ey[pick, row]).movedim(1, -4)  # (B, L, H, N, K, b, b)
         return generator_rotations(coords, gens)  # ([B], L, H, N, K, b, b)
 
     def extra_repr(self) -> str:
