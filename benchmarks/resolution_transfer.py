@@ -12,7 +12,7 @@ route and the RoPE extrapolation controls, with each layer's attention distance 
     python benchmarks/resolution_transfer.py --park                               # unfinished runs into OUT/parked, to commit
 
 A row is a family name, or ``FAMILY:aug`` (``model.coord_aug`` = AUG below, a draw per image), ``FAMILY:augbatch`` (the
-same, one draw per batch: the default for PER_BATCH_ONLY, whose draw per image costs 30 times their training) or
+same, one draw per batch: the default for PER_BATCH_ONLY, whose draw per image costs 9-35 times their training) or
 ``FAMILY:multires`` (``train.resolution_range`` = half to twice the training size). The recipe of every row of a dataset is one config,
 ``configs/study_DATA.yaml``. Runs go to OUT/runs/DATA-ROW-seedS-eEPOCHS: a finished run is reused and an interrupted
 one resumed (one trained with another config than asked for is refused, never reused), and each run's rows are
@@ -75,9 +75,9 @@ AUG = "{shift: 1.0, rescale: 2.0, jitter: 1.25}"  # one patch of shift, half to 
 COORD_AUG = {"aug": AUG, "augbatch": AUG.replace("}", ", per_image: false}")}
 VARIANTS = ("", *COORD_AUG, "multires")
 NO_COORDS = ("none", "peg")  # they read no coordinates: one coordinate mode, no coordinate augmentation
-# Families whose per-image draw the grid does not afford: a matrix exponential per image and token (liere; comrope off
-# a shared lattice) trains at 0.03 of the family's own speed (docs/benchmarks.md, every :aug family), ~15 h a seed.
-# Their default augmented row draws per batch; rope_axial's is the control that says what per batch changes.
+# Families whose per-image draw the grid does not afford: matrix exponentials per image train liere at 0.03 of its own
+# speed (one per image and token; ~15 h a seed) and comrope at 0.11 (w + h per image; docs/benchmarks.md, "A draw per
+# batch"). Their default augmented row draws per batch; rope_axial's is the control that says what per batch changes.
 PER_BATCH_ONLY = ("liere", "comrope")
 PER_BATCH_CONTROL = "rope_axial"
 ROPE_CONTROLS = ("ntk", "yarn")
