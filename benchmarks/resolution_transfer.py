@@ -51,7 +51,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 import vitpe
-from vitpe.checkpoint import checkpoint_config, load_checkpoint, model_from_checkpoint
+from vitpe.checkpoint import CHECKPOINT_NAME, checkpoint_config, load_checkpoint, model_from_checkpoint
 from vitpe.config import apply_overrides, load_config
 from vitpe.coords import snap
 from vitpe.evaluation import DEFAULT_ASPECTS, dataset_of, evaluate_at
@@ -186,7 +186,7 @@ def park(out: Path) -> int:
         try:
             if park_run(run, out / PARKED / run.name):
                 parked += 1
-                print(f"parked {run.name} ({(out / PARKED / run.name / 'checkpoint.pt').stat().st_size / 1e6:.1f} MB)")
+                print(f"parked {run.name} ({(out / PARKED / run.name / CHECKPOINT_NAME).stat().st_size / 1e6:.1f} MB)")
         except RunError as e:
             print(f"{e}: not parked")
     print(f"{parked} unfinished run{'s' * (parked != 1)} parked in {out / PARKED}" + (": commit it" if parked else ""))

@@ -156,8 +156,11 @@ def train_or_reuse(run: Path, args: List[str], label: str) -> Path:
     return run
 
 
-# What a run needs to go on elsewhere: its checkpoint (weights, optimiser, EMA, step), config and metrics so far.
-PARKED_FILES = ("checkpoint.pt", "config.yaml", "metrics.jsonl", "metrics.csv")
+def _run_files() -> Tuple[str, ...]:
+    """What a run needs to go on elsewhere: its checkpoint (weights, optimiser, EMA, step), config and metrics so far."""
+    from .checkpoint import CHECKPOINT_NAME  # imported here: runs.py stays light (checkpoint.py imports the model)
+
+    return CHECKPOINT_NAME, "config.yaml", "metrics.jsonl", "metrics.csv"
 
 
 def _progress(run: Path) -> Optional[Tuple[int, int, int]]:
@@ -171,11 +174,11 @@ def _progress(run: Path) -> Optional[Tuple[int, int, int]]:
 
 
 def _copy_run_files(src: Path, dest: Path) -> None:
-    """PARKED_FILES of ``src`` into a fresh ``dest``, which appears whole or not at all (built beside it, renamed in)."""
+    """The run files of ``src`` into a fresh ``dest``, which appears whole or not at all (built beside it, renamed in)."""
     tmp, old = dest.with_name(f".{dest.name}.tmp{os.getpid()}"), dest.with_name(f".{dest.name}.old{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for f in PARKED_FILES:
+    for f in _run_files():
         if (src / f).is_file():
             shutil.copy2(src / f, tmp / f)
     if dest.exists():
@@ -211,7 +214,7 @@ def unpark_run(parked: Path, run: Path) -> bool:
         ours = _progress(run)
         if ours is not None and ours[:2] >= theirs[:2]:
             return False
-        for f in PARKED_FILES:
+        for f in _run_files():
             if (parked / f).is_file():
                 tmp = run / f".{f}.tmp{os.getpid()}"
                 shutil.copy2(parked / f, tmp)
