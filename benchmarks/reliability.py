@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from vitpe.checkpoint import CheckpointError, load_checkpoint
+from vitpe.runs import CONFIG_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGNALS = {"kill -9": signal.SIGKILL, "Ctrl-C": signal.SIGINT, "SIGTERM": signal.SIGTERM}
@@ -64,7 +65,7 @@ def trial(kind: str, delay: float, run: Path, train_args: list) -> dict:
         resumed = run_train([*train_args, "--out-dir", str(run.parent), "--name", run.name])
     elif not (run / "checkpoint.pt").exists():
         row["left"] = "config only (before the first checkpoint)"
-        row["intact"] = (run / "config.yaml").is_file()
+        row["intact"] = (run / CONFIG_NAME).is_file()
         resumed = run_train(["--resume", str(run)])
     else:
         try:

@@ -13,10 +13,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import VitpeError
 
-__all__ = ["RunError", "safe_name", "create_run_dir", "RunLock", "write_metrics", "write_csv", "pid_alive", "config_changes", "train_or_reuse",
+__all__ = ["RunError", "CONFIG_NAME", "METRICS_JSONL", "METRICS_CSV",
+           "safe_name", "create_run_dir", "RunLock", "write_metrics", "write_csv", "pid_alive", "config_changes", "train_or_reuse",
            "park_run", "unpark_run"]
 
 LOCK_NAME = ".lock"
+# A run directory's files besides its checkpoint (checkpoint.CHECKPOINT_NAME): one name each, used by training,
+# resuming, parking and the tests alike.
+CONFIG_NAME = "config.yaml"
+METRICS_JSONL = "metrics.jsonl"
+METRICS_CSV = "metrics.csv"
 
 
 class RunError(VitpeError, RuntimeError):
@@ -99,10 +105,10 @@ def write_csv(rows: List[dict], path: Path) -> None:
 
 def write_metrics(run: Path, rows: List[dict]) -> None:
     """Rewrite metrics.jsonl and metrics.csv from all epochs so far (small, and exact after a resume), atomically."""
-    tmp = run / ".metrics.jsonl.tmp"
+    tmp = run / f".{METRICS_JSONL}.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, run / "metrics.jsonl")
-    write_csv(rows, run / "metrics.csv")
+    os.replace(tmp, run / METRICS_JSONL)
+    write_csv(rows, run / METRICS_CSV)
 
 
 def config_changes(stored: Dict[str, Any], wanted: Dict[str, Any], prefix: str = "") -> List[str]:
@@ -134,8 +140,8 @@ def train_or_reuse(run: Path, args: List[str], label: str) -> Path:
     stored = None
     if state is not None:
         stored = checkpoint_config(state)
-    elif (run / "config.yaml").is_file():  # stopped before its first checkpoint: it resumes at step 0
-        stored = load_config(str(run / "config.yaml"))
+    elif (run / CONFIG_NAME).is_file():  # stopped before its first checkpoint: it resumes at step 0
+        stored = load_config(str(run / CONFIG_NAME))
     if stored is not None:
         changes = config_changes(stored.to_dict(), wanted.to_dict())
         if changes:
@@ -160,7 +166,7 @@ def _run_files() -> Tuple[str, ...]:
     """What a run needs to go on elsewhere: its checkpoint (weights, optimiser, EMA, step), config and metrics so far."""
     from .checkpoint import CHECKPOINT_NAME  # imported here: runs.py stays light (checkpoint.py imports the model)
 
-    return CHECKPOINT_NAME, "config.yaml", "metrics.jsonl", "metrics.csv"
+    return CHECKPOINT_NAME, CONFIG_NAME, METRICS_JSONL, METRICS_CSV
 
 
 def _progress(run: Path) -> Optional[Tuple[int, int, int]]:

@@ -39,7 +39,7 @@ from vitpe.data.augment import BatchAugment, normalize
 from vitpe.data.mixed import draw_sizes, mixed_batch
 from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, resolve_device, seed_step
 from vitpe.errors import VitpeError, run_cli
-from vitpe.runs import RunError, RunLock, create_run_dir, safe_name, write_metrics  # noqa: F401 (safe_name: public name)
+from vitpe.runs import CONFIG_NAME, METRICS_CSV, METRICS_JSONL, RunError, RunLock, create_run_dir, safe_name, write_metrics  # noqa: F401 (safe_name: public name)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shapes.yaml"  # the repository's configs/
 # Measured results of recipes, by PE (benchmarks/accuracy.py --suite main writes it): what a finished run compares itself to.
@@ -91,8 +91,8 @@ def resume_state(args: argparse.Namespace) -> Tuple[Optional[Dict[str, Any]], Co
         raise ConfigError("a resumed run continues with its saved config; start a new run to change settings")
     given = Path(args.resume)
     run = given if given.is_dir() else given.parent
-    if given.is_dir() and not (given / CHECKPOINT_NAME).exists() and (given / "config.yaml").is_file():
-        return None, load_config(str(given / "config.yaml")), run
+    if given.is_dir() and not (given / CHECKPOINT_NAME).exists() and (given / CONFIG_NAME).is_file():
+        return None, load_config(str(given / CONFIG_NAME)), run
     state = load_checkpoint(args.resume, verify=not args.no_verify)
     for key in ("optimizer", "scheduler", "epoch", "step"):
         if key not in state:
@@ -351,8 +351,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if lock is not None:
             lock.__enter__()
-            if not (run / "config.yaml").exists():
-                save_config(cfg, run / "config.yaml")
+            if not (run / CONFIG_NAME).exists():
+                save_config(cfg, run / CONFIG_NAME)
         if state is not None:
             log(f"resuming {run} at epoch {epoch + 1}, step {step}/{steps_per_epoch}")
         elif args.resume:
@@ -455,7 +455,7 @@ class Job:
         self.scheduler.t_initial = max(epochs * self.steps_per_epoch - warmup, 1)  # timm reads it at every step
         self.budget = {"images_per_s": rate, "epochs": epochs}
         if self.rank == 0:
-            save_config(cfg, self.run / "config.yaml")
+            save_config(cfg, self.run / CONFIG_NAME)
         self.log(f"train.budget_min={cfg.train.budget_min:g}: {rate:.0f} img/s measured over this run's first steps, so "
                  f"{epochs} epochs ({epochs * epoch_images / rate / 60:.1f} min of steps; evaluation after each epoch adds to it)")
         if epochs * epoch_images / rate < 30 * cfg.train.budget_min:
@@ -665,7 +665,7 @@ def train_loop(job: Job) -> int:
         log(f"done in {time.time() - started:.0f}s: test top-1 {job.rows[-1]['test_top1']:.4f}"
             + (f" ({job.rows[-1][tta]:.4f} with test-time augmentation {cfg.train.eval_tta})" if tta in job.rows[-1] else "")
             + f"{' (EMA weights; eval.py --no-ema for the raw ones)' if job.ema is not None else ''}\n"
-            f"  run:        {run}\n  checkpoint: {run / CHECKPOINT_NAME}\n  metrics:    {run / 'metrics.csv'} (and metrics.jsonl)\n"
+            f"  run:        {run}\n  checkpoint: {run / CHECKPOINT_NAME}\n  metrics:    {run / METRICS_CSV} (and {METRICS_JSONL})\n"
             f"  evaluate at other resolutions: python eval.py {run}")
         for line in learned_lines(job.rows[-1], job.ds, cfg, reference_results(cfg)):
             log(line)
