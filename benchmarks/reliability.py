@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from vitpe.checkpoint import CheckpointError, load_checkpoint
+from vitpe.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint
 from vitpe.runs import CONFIG_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def trial(kind: str, delay: float, run: Path, train_args: list) -> dict:
         row["left"] = "nothing (signal before the run directory existed)"
         row["intact"] = True
         resumed = run_train([*train_args, "--out-dir", str(run.parent), "--name", run.name])
-    elif not (run / "checkpoint.pt").exists():
+    elif not (run / CHECKPOINT_NAME).exists():
         row["left"] = "config only (before the first checkpoint)"
         row["intact"] = (run / CONFIG_NAME).is_file()
         resumed = run_train(["--resume", str(run)])
@@ -76,7 +76,7 @@ def trial(kind: str, delay: float, run: Path, train_args: list) -> dict:
             row["left"], row["intact"] = f"broken checkpoint: {e}", False
         resumed = run_train(["--resume", str(run)]) if row["intact"] else None
     row["resume_returncode"] = None if resumed is None else resumed.returncode
-    row["leftover_temporaries"] = len(list(run.glob(".checkpoint.pt.tmp*"))) if run.exists() else 0
+    row["leftover_temporaries"] = len(list(run.glob(f".{CHECKPOINT_NAME}.tmp*"))) if run.exists() else 0
     return row
 
 
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
         state = {"epochs": args.epochs, "rows": []}
 
     reference = work / f"reference-e{args.epochs}"
-    if not (reference / "checkpoint.pt").exists() or "end_s" not in state:
+    if not (reference / CHECKPOINT_NAME).exists() or "end_s" not in state:
         if reference.exists():
             import shutil
 

@@ -18,8 +18,8 @@ __all__ = ["RunError", "CONFIG_NAME", "METRICS_JSONL", "METRICS_CSV",
            "park_run", "unpark_run"]
 
 LOCK_NAME = ".lock"
-# A run directory's files besides its checkpoint (checkpoint.CHECKPOINT_NAME): one name each, used by training,
-# resuming, parking and the tests alike.
+# A run directory's files besides its checkpoint (checkpoint.CHECKPOINT_NAME): one name each for training, resuming
+# and parking; the tests spell them out, since they are the documented names.
 CONFIG_NAME = "config.yaml"
 METRICS_JSONL = "metrics.jsonl"
 METRICS_CSV = "metrics.csv"
