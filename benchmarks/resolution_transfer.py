@@ -26,7 +26,8 @@ Convergence: a run has converged when its test top-1 rose by less than CONVERGED
 epochs. A run that has not is trained again from scratch with twice the epochs, up to --max-epochs (by default
 DOUBLINGS per dataset: shapes doubles once, 24 -> 48; Fashion-MNIST trains its recipe's 8, never doubled), and the longest run
 is the one measured; the report marks rows that still had not converged.
-A row's next seed starts with the epochs its other seeds needed (see ``first_epochs``).
+A row's next seed starts with the epochs its other seeds needed, a variant row's first with its plain family's
+(see ``first_epochs``).
 Several study processes may share one OUT: each claims a (data, row, seed) before it works on it and skips one another
 process holds, and the shared files are merged under a lock. ``--jobs N`` starts N of them, with the cores split
 between them (docs/benchmarks.md, CPU levers: on 2 cores a small ViT trains faster as two single-threaded processes).
@@ -269,13 +270,18 @@ def measured_elsewhere(out: Path, results: List[Dict], data: str, row: str, seed
 
 def first_epochs(runs: Path, data: str, row: str, recipe: int, most: int, results: Sequence[Dict] = ()) -> int:
     """The epochs a row's run starts with: the recipe's, or the most any of the row's seeds has been trained with,
-    up to ``most``. A longer run is trained from scratch, so a seed that starts where another seed needed to go ends
+    up to ``most``; a variant row none of whose seeds has been trained yet (``FAMILY:aug``, ``:multires``) starts with
+    its plain family's. A longer run is trained from scratch, so a seed that starts where another seed needed to go ends
     with the run the doubling would reach, minus the shorter runs (hours of the grid); a seed that would have
     converged sooner only trains longer. The seeds' epochs come from their run directories and from the committed
     record (run directories are git-ignored): the measurements and trained.json's entries (``record_run``) in
     ``results``, where ``retrained_with`` says where a run still moving sent its seed."""
-    tried = run_epochs(runs, data, row) + [r.get("retrained_with", r["epochs"]) for r in results if (r["data"], r["row"]) == (data, row)]
-    return max(recipe, min(most, max(tried, default=recipe)))
+    def tried(row: str) -> List[int]:
+        return run_epochs(runs, data, row) + [r.get("retrained_with", r["epochs"]) for r in results if (r["data"], r["row"]) == (data, row)]
+
+    # Every variant row measured before this rule needed its plain family's epochs (docs: Protocol, Convergence).
+    epochs = tried(row) or tried(parse_row(row)[0])
+    return max(recipe, min(most, max(epochs, default=recipe)))
 
 
 def run_epochs(runs: Path, data: str, row: str, seed: Optional[int] = None) -> List[int]:

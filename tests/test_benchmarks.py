@@ -209,23 +209,29 @@ def test_resolution_transfer_parks_an_unfinished_run_for_the_next_machine(tmp_pa
     assert "0 unfinished runs parked" in capsys.readouterr().out and not parked.exists()
 
 
-def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_needed_to_go(tmp_path):
+def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_or_its_plain_family_needed_to_go(tmp_path):
     study = load("resolution_transfer")
     runs = tmp_path / "runs"
     assert study.first_epochs(runs, "shapes", "fire", 24, 48) == 24  # nothing trained yet: the recipe's epochs
     for name in ("shapes-fire-seed0-e24", "shapes-fire-seed0-e48", "shapes-fire_aug-seed1-e96",
-                 "shapes-sincos2d_multires-seed0-e48", "fashion_mnist-fire-seed0-e96", "shapes-fire-seed0-e12.bak"):
+                 "shapes-sincos2d_multires-seed0-e48", "fashion_mnist-fire-seed0-e96", "shapes-fire-seed0-e12.bak",
+                 "shapes-lookhere-seed0-e48", "shapes-lookhere_aug-seed0-e24"):
         (runs / name).mkdir(parents=True)
     assert study.first_epochs(runs, "shapes", "fire", 24, 48) == 48  # seed 0 needed 48: seed 1 starts there
     assert study.first_epochs(runs, "shapes", "fire", 24, 32) == 32  # never past --max-epochs
     assert study.first_epochs(runs, "shapes", "sincos2d:multires", 24, 48) == 48
     assert study.first_epochs(runs, "shapes", "sincos2d", 24, 48) == 24  # another row's runs do not count
     assert study.first_epochs(runs, "shapes", "fire:aug", 24, 48) == 48
+    # A variant row with no seed trained yet starts where its plain family needed to go; once it has seeds, theirs.
+    assert study.first_epochs(runs, "shapes", "fire:multires", 24, 48) == 48
+    assert study.first_epochs(runs, "shapes", "rope_axial:multires", 24, 48) == 24  # plain row not trained: the recipe's
+    assert study.first_epochs(runs, "shapes", "lookhere:aug", 24, 48) == 24
     # A fresh clone has no run directories (git-ignored), only the committed measurements: they say it too.
     recorded = [{"data": "shapes", "row": "learned", "seed": 0, "epochs": 48},
                 {"data": "fashion_mnist", "row": "cpb", "seed": 0, "epochs": 96}]
     assert study.first_epochs(tmp_path / "fresh", "shapes", "learned", 24, 48, recorded) == 48
     assert study.first_epochs(tmp_path / "fresh", "shapes", "cpb", 24, 48, recorded) == 24  # another dataset's do not count
+    assert study.first_epochs(tmp_path / "fresh", "shapes", "learned:aug", 24, 48, recorded) == 48
     # A run still moving is entered in trained.json when it is trained again longer, so its seed's retraining starts there.
     for _ in range(2):
         study.record_run(tmp_path, {"data": "shapes", "row": "peg", "seed": 0, "epochs": 24, "retrained_with": 48})
