@@ -2,7 +2,7 @@
 """Kill, interrupt and terminate training runs at random instants, resume them, and count what survived.
 
     nice python benchmarks/reliability.py                    # 20 trials each of kill -9, Ctrl-C (SIGINT), SIGTERM
-    python benchmarks/reliability.py --trials 2 --smoke      # seconds: what the test suite runs
+    python benchmarks/reliability.py --trials 1 --smoke      # a minute: 1-epoch runs in a temporary folder (the tests run it)
 
 Each trial starts ``train.py`` on the tiny config (a few seconds of training), sends the signal after a delay
 drawn uniformly from half a second before the reference run started training (while the run directory is
@@ -14,7 +14,7 @@ when the signal came before its directory existed) until it finishes. A trial co
 - *bit-exact* when the resumed run's final weights are ``torch.equal`` to an uninterrupted run's.
 
 Results are written after every trial to ``docs/reliability/campaign.json`` and ``.md``; a stopped campaign
-continues where it stopped (finished trials are kept).
+continues where it stopped (finished trials are kept). A campaign with other ``--epochs`` is refused, not replaced.
 """
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,11 +82,14 @@ def trial(kind: str, delay: float, run: Path, train_args: list) -> dict:
     return row
 
 
-def summarise(rows: list, reference_s: float, args: argparse.Namespace) -> str:
+def summarise(rows: list, state: dict, args: argparse.Namespace) -> str:
+    # What else loaded the machine is measured, not assumed: the load average before the campaign's first process.
+    load = state.get("load_before")
+    beside = "" if load is None else f"; 1-minute load average {load:.2f} before the reference run started"
     lines = ["# Reliability campaign", "",
-             f"{len(rows)} trials on the tiny config with --epochs {args.epochs} (reference run {reference_s:.1f} s wall, "
+             f"{len(rows)} trials on the tiny config with --epochs {args.epochs} (reference run {state['reference_s']:.1f} s wall, "
              f"including start-up; signals drawn uniformly from 0.5 s before training starts to its last checkpoint); "
-             f"torch {torch.__version__}, {os.cpu_count()} CPU cores; nothing else ran.", "",
+             f"torch {torch.__version__}, {os.cpu_count()} CPU cores{beside}.", "",
              "| signal | trials | stopped by it | finished before it | intact afterwards | resumed bit-exactly | temporaries left |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for kind in SIGNALS:
@@ -112,37 +117,42 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=20, help="trials per signal")
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(ROOT / "docs" / "reliability"))
-    p.add_argument("--smoke", action="store_true", help="1 epoch: a seconds-long check that the campaign runs")
+    p.add_argument("--out", help="where campaign.json/.md and the runs go (default: docs/reliability; with --smoke a "
+                                 "temporary folder, so a smoke check never touches the committed campaign)")
+    p.add_argument("--smoke", action="store_true", help="1-epoch runs: a check that the campaign runs")
     args = p.parse_args(argv)
     if args.smoke:
         args.epochs = 1
-    out = Path(args.out)
+    out = Path(args.out or (tempfile.mkdtemp(prefix="vitpe-reliability-smoke-") if args.smoke else ROOT / "docs" / "reliability"))
     work = out / "runs"
     work.mkdir(parents=True, exist_ok=True)
     train_args = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--epochs", str(args.epochs), "--set", "train.device=cpu"]
     results = out / "campaign.json"
-    state = json.loads(results.read_text()) if results.exists() else {}
-    if state.get("epochs") != args.epochs:
-        state = {"epochs": args.epochs, "rows": []}
+    state = json.loads(results.read_text()) if results.exists() else {"epochs": args.epochs, "rows": []}
+    if state.get("epochs") != args.epochs:  # its trials would be lost: another campaign goes elsewhere
+        raise SystemExit(f"{results} holds a campaign with --epochs {state.get('epochs')} ({len(state.get('rows', []))} trials): "
+                         f"continue it with --epochs {state.get('epochs')}, or give this one its own folder with --out DIR")
 
     reference = work / f"reference-e{args.epochs}"
     if not (reference / CHECKPOINT_NAME).exists() or "end_s" not in state:
         if reference.exists():
-            import shutil
-
             shutil.rmtree(reference)
+        if hasattr(os, "getloadavg"):
+            state["load_before"] = round(os.getloadavg()[0], 2)
         t0 = time.time()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}  # each line when it is printed, to time it
         proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *train_args, "--out-dir", str(work), "--name", reference.name],
                                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = []
         for line in proc.stdout:
+            lines.append(line)
             if line.startswith("run "):
                 state["start_s"] = time.time() - t0  # imports and data done: training starts
             if line.startswith("done in"):
                 state["end_s"] = time.time() - t0  # the last checkpoint is written
         if proc.wait():
-            return 1
+            raise SystemExit(f"the uninterrupted reference run failed (exit {proc.returncode}), so no trial can be compared "
+                             f"with it; its last lines:\n{''.join(lines[-5:])}")
         state["reference_s"] = time.time() - t0
     ref = weights(reference)
     rng = random.Random(args.seed)
@@ -156,8 +166,6 @@ def main(argv=None) -> int:
             continue
         run = work / f"{kind.replace(' ', '').replace('-', '')}-{i}"
         if run.exists():
-            import shutil
-
             shutil.rmtree(run)
         row = trial(kind, delay, run, train_args)
         row["trial"] = i
@@ -165,9 +173,9 @@ def main(argv=None) -> int:
         row["bit_exact"] = final is not None and final.keys() == ref.keys() and all(torch.equal(final[k], ref[k]) for k in ref)
         state["rows"].append(row)
         results.write_text(json.dumps(state, indent=1))
-        (out / "campaign.md").write_text(summarise(state["rows"], state["reference_s"], args))
-    (out / "campaign.md").write_text(summarise(state["rows"], state["reference_s"], args))
-    print((out / "campaign.md").read_text())
+        (out / "campaign.md").write_text(summarise(state["rows"], state, args))
+    (out / "campaign.md").write_text(summarise(state["rows"], state, args))
+    print((out / "campaign.md").read_text() + f"every trial: {results}")
     return 0 if all(r["intact"] and r["bit_exact"] for r in state["rows"]) else 1
 
 

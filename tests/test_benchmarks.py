@@ -538,3 +538,19 @@ def test_resolution_transfer_counts_the_training_time_of_every_process_of_a_resu
     assert study.training_time(restarted) == 100.0 + 20.0 + 70.0 + 130.0  # resumed at 20: 40 - 20 of it ran before the stop
     assert study.convergence(restarted)["train_time_s"] == 320.0 and study.convergence(restarted)["train_wall_s"] == 130.0
     assert study.training_time(metrics(15.0, 60.0)) == 25.0 + 60.0  # stopped in its first epoch: 25 s before the stop
+
+
+def test_reliability_campaign_kills_resumes_and_keeps_an_earlier_campaign(tmp_path):
+    """About a minute of real signals (benchmarks/reliability.py): kill -9, Ctrl-C and SIGTERM each stop a real
+    train.py, which resumes to weights equal to an uninterrupted run's; a campaign of other epochs is refused, not replaced."""
+    campaign = load("reliability")
+    assert campaign.main(["--smoke", "--trials", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "campaign.json").read_text())["rows"]
+    assert [r["kind"] for r in rows] == list(campaign.SIGNALS)
+    for r in rows:
+        assert r["intact"] and r["bit_exact"] and r["resume_returncode"] == 0 and r["leftover_temporaries"] == 0, r
+    assert "| SIGTERM | 1 |" in (tmp_path / "campaign.md").read_text()
+    before = (tmp_path / "campaign.json").read_text()
+    with pytest.raises(SystemExit, match=r"holds a campaign with --epochs 1 \(3 trials\): continue it with --epochs 1"):
+        campaign.main(["--epochs", "12", "--out", str(tmp_path)])
+    assert (tmp_path / "campaign.json").read_text() == before
