@@ -276,8 +276,8 @@ def first_epochs(runs: Path, data: str, row: str, recipe: int, most: int, result
     converged sooner only trains longer. The seeds' epochs come from their run directories and from the committed
     record (run directories are git-ignored): the measurements and trained.json's entries (``record_run``) in
     ``results``, where ``retrained_with`` says where a run still moving sent its seed."""
-    def tried(row: str) -> List[int]:
-        return run_epochs(runs, data, row) + [r.get("retrained_with", r["epochs"]) for r in results if (r["data"], r["row"]) == (data, row)]
+    def tried(name: str) -> List[int]:
+        return run_epochs(runs, data, name) + [r.get("retrained_with", r["epochs"]) for r in results if (r["data"], r["row"]) == (data, name)]
 
     # Every variant row measured before this rule needed its plain family's epochs (docs: Protocol, Convergence).
     epochs = tried(row) or tried(parse_row(row)[0])
