@@ -82,12 +82,13 @@ def trial(kind: str, delay: float, run: Path, train_args: list) -> dict:
     return row
 
 
-def summarise(rows: list, state: dict, args: argparse.Namespace) -> str:
+def summarise(state: dict) -> str:
+    rows = state["rows"]
     # What else loaded the machine is measured, not assumed: the load average before the campaign's first process.
     load = state.get("load_before")
     beside = "" if load is None else f"; 1-minute load average {load:.2f} before the reference run started"
     lines = ["# Reliability campaign", "",
-             f"{len(rows)} trials on the tiny config with --epochs {args.epochs} (reference run {state['reference_s']:.1f} s wall, "
+             f"{len(rows)} trials on the tiny config with --epochs {state['epochs']} (reference run {state['reference_s']:.1f} s wall, "
              f"including start-up; signals drawn uniformly from 0.5 s before training starts to its last checkpoint); "
              f"torch {torch.__version__}, {os.cpu_count()} CPU cores{beside}.", "",
              "| signal | trials | stopped by it | finished before it | intact afterwards | resumed bit-exactly | temporaries left |",
@@ -173,8 +174,8 @@ def main(argv=None) -> int:
         row["bit_exact"] = final is not None and final.keys() == ref.keys() and all(torch.equal(final[k], ref[k]) for k in ref)
         state["rows"].append(row)
         results.write_text(json.dumps(state, indent=1))
-        (out / "campaign.md").write_text(summarise(state["rows"], state, args))
-    (out / "campaign.md").write_text(summarise(state["rows"], state, args))
+        (out / "campaign.md").write_text(summarise(state))
+    (out / "campaign.md").write_text(summarise(state))
     print((out / "campaign.md").read_text() + f"every trial: {results}")
     return 0 if all(r["intact"] and r["bit_exact"] for r in state["rows"]) else 1
 
