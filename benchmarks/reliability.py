@@ -39,9 +39,22 @@ ROOT = Path(__file__).resolve().parents[1]
 SIGNALS = {"kill -9": signal.SIGKILL, "Ctrl-C": signal.SIGINT, "SIGTERM": signal.SIGTERM}
 
 
+def start_train(args: list, **popen) -> subprocess.Popen:
+    """train.py as every run of a campaign starts it: this checkout's package, its output merged and unbuffered (the
+    reference run's lines are timed as they are printed)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **popen)
+
+
 def run_train(args: list, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    p = start_train(args)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, "")
 
 
 def weights(run: Path) -> dict:
@@ -49,12 +62,10 @@ def weights(run: Path) -> dict:
 
 
 def trial(kind: str, delay: float, run: Path, train_args: list) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # A campaign started in the background inherits an ignored SIGINT, and so would train.py (it keeps ignoring a
     # signal it was started ignoring): give it the default, as a terminal's Ctrl-C finds it.
-    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *train_args, "--out-dir", str(run.parent), "--name", run.name],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = start_train([*train_args, "--out-dir", str(run.parent), "--name", run.name],
+                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(delay)
     finished_first = p.poll() is not None
     if not finished_first:
@@ -141,9 +152,7 @@ def main(argv=None) -> int:
         if hasattr(os, "getloadavg"):
             state["load_before"] = round(os.getloadavg()[0], 2)
         t0 = time.time()
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}  # each line when it is printed, to time it
-        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *train_args, "--out-dir", str(work), "--name", reference.name],
-                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = start_train([*train_args, "--out-dir", str(work), "--name", reference.name])
         lines = []
         for line in proc.stdout:
             lines.append(line)
