@@ -39,22 +39,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SIGNALS = {"kill -9": signal.SIGKILL, "Ctrl-C": signal.SIGINT, "SIGTERM": signal.SIGTERM}
 
 
-def start_train(args: list, **popen) -> subprocess.Popen:
-    """train.py as every run of a campaign starts it: this checkout's package, its output merged and unbuffered (the
-    reference run's lines are timed as they are printed)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **popen)
+def train_process(args: list) -> dict:
+    """``subprocess.run`` / ``Popen`` keywords for train.py as every run of a campaign starts it: this checkout's
+    package, its output merged and unbuffered (the reference run's lines are timed as they are printed)."""
+    return dict(args=[sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
 
 
 def run_train(args: list, timeout: float = 600) -> subprocess.CompletedProcess:
-    p = start_train(args)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        raise
-    return subprocess.CompletedProcess(p.args, p.returncode, out, "")
+    return subprocess.run(**train_process(args), timeout=timeout)
 
 
 def weights(run: Path) -> dict:
@@ -64,8 +57,8 @@ def weights(run: Path) -> dict:
 def trial(kind: str, delay: float, run: Path, train_args: list) -> dict:
     # A campaign started in the background inherits an ignored SIGINT, and so would train.py (it keeps ignoring a
     # signal it was started ignoring): give it the default, as a terminal's Ctrl-C finds it.
-    p = start_train([*train_args, "--out-dir", str(run.parent), "--name", run.name],
-                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = subprocess.Popen(**train_process([*train_args, "--out-dir", str(run.parent), "--name", run.name]),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(delay)
     finished_first = p.poll() is not None
     if not finished_first:
@@ -152,7 +145,7 @@ def main(argv=None) -> int:
         if hasattr(os, "getloadavg"):
             state["load_before"] = round(os.getloadavg()[0], 2)
         t0 = time.time()
-        proc = start_train([*train_args, "--out-dir", str(work), "--name", reference.name])
+        proc = subprocess.Popen(**train_process([*train_args, "--out-dir", str(work), "--name", reference.name]))
         lines = []
         for line in proc.stdout:
             lines.append(line)
