@@ -1,6 +1,7 @@
-"""The README's Python examples run as written, and its commands name files that exist."""
+"""The README's Python examples run as written, its commands name files that exist, and its study table is the record."""
 import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,43 @@ def test_readme_cheap_shell_commands_run_exactly_as_written(tmp_path):
         run(cmd)
     labels = {r["label"] for p in (tmp_path / "runs" / "A").glob("eval-*/results.json") for r in json.loads(p.read_text())}
     assert "sincos2d+rope_axial (extrapolate) [rope yarn]" in labels and len(list((tmp_path / "runs").iterdir())) == 3  # A, B, torchrun's
+
+
+def test_which_pe_table_is_the_study_record():
+    """Every accuracy in the README's "Which PE should I use" table is its row's cell in the committed study record
+    (docs/resolution_transfer/results.json, `shapes`), rounded as the report rounds: a typed-in number that drifts
+    from the record, or a ± that the seeds do not back, fails here."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("resolution_transfer", root / "benchmarks" / "resolution_transfer.py")
+    rt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rt)
+    group = rt.cells(rt.load_results(root / "docs" / "resolution_transfer"))
+
+    def stat(values, sign="+"):  # as the README writes a cell: the mean alone for one seed
+        m, sd = rt.mean_sd(values)
+        return f"{m:{sign}.1f}" if len(values) == 1 else f"{m:{sign}.1f} ± {sd:.1f}"
+
+    section = README.split("## Which PE should I use")[1].split("\n## ")[0]
+    table = [line for line in section.splitlines() if line.startswith("| `")]
+    assert len(table) >= 20
+    for line in table:
+        name, epochs, one, two, four, patch = [c.strip() for c in line.strip("|").split("|")][:6]
+        pe = re.match(r"`(\w+)`", name).group(1)
+        row = pe + (":multires" if "trained at" in name else ":aug" if "`coord_aug`" in name else "")
+        first = group[("shapes", row, "interpolate", "1x")]
+        seeds = re.search(r"\((\d+) seeds\)", name)
+        assert len(first) == (int(seeds.group(1)) if seeds else 3), (row, len(first))
+        assert epochs == ", ".join(str(e) for e in sorted({r["epochs"] for r in first})), (row, epochs)
+        assert one.strip("*%") == stat([100 * r["top1"] for r in first], sign=""), (row, one)
+        for column, cell in (("2x", two), ("4x", four)):
+            # "-7.0 ± 4.8 (extrapolate: -31.8 ± 23.8; YaRN: -12.7 ± 5.6)", or its bare "(-64.8 ± 8.3; ...)" at 4x,
+            # which repeats the 2x cell's labels
+            numbers = re.findall(r"[+-]\d+\.\d(?: ± \d+\.\d)?", cell)
+            labels = ["interpolate"] + [{"extrapolate": "extrapolate", "YaRN": "extrapolate+yarn"}[k]
+                                        for k in re.findall(r"(extrapolate|YaRN):", two)]
+            assert len(numbers) == len(labels), (row, column, cell)
+            for label, number in zip(labels, numbers):
+                assert number == stat(rt.drops(group, "shapes", row, label, column)), (row, column, label, number)
+        assert patch == f"{statistics.fmean(rt.drops(group, 'shapes', row, 'patch', '2x')):+.1f}", (row, patch)
