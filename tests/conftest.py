@@ -1,11 +1,24 @@
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
 import vitpe
 
+ROOT = Path(__file__).resolve().parents[1]
+
 # Every registered family plus combinations that exercise each way of combining (additive+rotary,
 # additive+bias+conditional, additive+per-layer bias+rotary with an orthogonal mix, additive+matrix rotary).
 ALL_PE = vitpe.list_pos_embeds() + ["sincos2d+rope_mixed", "learned+rel_bias+peg", "learned+lookhere+string", "sincos2d+liere"]
+
+
+def load_benchmark(name: str):
+    """A script of benchmarks/ as a module (it is not a package): its functions are tested as the script runs them."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(autouse=True)

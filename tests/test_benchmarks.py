@@ -1,30 +1,20 @@
 """The benchmark scripts' seconds-long smoke modes, so that they do not rot between hand-run studies."""
 import argparse
-import importlib.util
 import json
 import math
 import re
 import shutil
-from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
+from conftest import ROOT, load_benchmark
 
 import vitpe
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_resolution_transfer_smoke(tmp_path, capsys):
-    study = load("resolution_transfer")
+    study = load_benchmark("resolution_transfer")
     assert study.main(["--smoke", "--out", str(tmp_path)]) == 0
     # One epoch cannot show convergence: each row is trained again with twice the epochs (the smoke's --max-epochs 2).
     assert "[shapes learned seed 0] still moving after 1 epochs: training 2" in capsys.readouterr().out
@@ -84,7 +74,7 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
 
 def test_resolution_transfer_report_keeps_a_zero_change(tmp_path):
     # A row that keeps its accuracy at 2x and 4x is the best result the study can report: "+0.0", never "nan".
-    study = load("resolution_transfer")
+    study = load_benchmark("resolution_transfer")
     rows = [{"data": "shapes", "row": "sincos2d:multires", "pe": "sincos2d", "variant": "multires", "seed": 0,
              "train_size": 32, "epochs": 12, "converged": True, "train_wall_s": 60.0, "label": "interpolate",
              "route": "coords", "coord_mode": "interpolate", "rope_scaling": "none", "column": c, "scale": k,
@@ -108,7 +98,7 @@ def test_resolution_transfer_report_keeps_a_zero_change(tmp_path):
 
 
 def test_resolution_transfer_processes_share_one_out(tmp_path, capsys):
-    study = load("resolution_transfer")
+    study = load_benchmark("resolution_transfer")
     # A (data, row, seed) another study process holds is skipped, not trained a second time beside it.
     with study.claim(tmp_path, "shapes", "learned", 0) as mine:
         assert mine
@@ -174,7 +164,7 @@ def test_resolution_transfer_parks_an_unfinished_run_for_the_next_machine(tmp_pa
     from vitpe.checkpoint import load_checkpoint
     from vitpe.runs import RunLock, unpark_run
 
-    study = load("resolution_transfer")
+    study = load_benchmark("resolution_transfer")
     cmd = ["--smoke", "--out", str(tmp_path), "--rows", "learned", "--max-epochs", "1"]
     updates = []
 
@@ -210,7 +200,7 @@ def test_resolution_transfer_parks_an_unfinished_run_for_the_next_machine(tmp_pa
 
 
 def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_or_its_plain_family_needed_to_go(tmp_path):
-    study = load("resolution_transfer")
+    study = load_benchmark("resolution_transfer")
     runs = tmp_path / "runs"
     assert study.first_epochs(runs, "shapes", "fire", 24, 48) == 24  # nothing trained yet: the recipe's epochs
     for name in ("shapes-fire-seed0-e24", "shapes-fire-seed0-e48", "shapes-fire_aug-seed1-e96",
@@ -240,7 +230,7 @@ def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_or_its_pla
 
 
 def test_resolution_transfer_grid_draws_per_batch_where_a_draw_per_image_is_unaffordable():
-    study = load("resolution_transfer")
+    study = load_benchmark("resolution_transfer")
     coordinate_families = [pe for pe in vitpe.list_pos_embeds() if pe not in study.NO_COORDS]
     rows = study.all_rows()
     assert len(rows) == len(set(rows))
@@ -259,7 +249,7 @@ def test_resolution_transfer_grid_draws_per_batch_where_a_draw_per_image_is_unaf
 
 
 def test_resolution_transfer_trains_a_per_batch_row(tmp_path, capsys):
-    study = load("resolution_transfer")
+    study = load_benchmark("resolution_transfer")
     assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "comrope:augbatch", "--max-epochs", "1"]) == 0
     [entry] = json.loads((tmp_path / "trained.json").read_text())
     assert entry["row"] == "comrope:augbatch" and entry["config"]["model"]["coord_aug"] == {
@@ -270,7 +260,7 @@ def test_resolution_transfer_trains_a_per_batch_row(tmp_path, capsys):
 
 
 def test_resolution_transfer_orderings_weigh_the_seed_spread_and_convergence(tmp_path):
-    study = load("resolution_transfer")
+    study = load_benchmark("resolution_transfer")
     # A misspelt row would read "not measured yet" forever: every ordering names rows the study can train.
     for better, worse, _, _ in study.ORDERINGS:
         assert study.parse_row(better) and study.parse_row(worse)
@@ -310,7 +300,7 @@ def test_resolution_transfer_orderings_weigh_the_seed_spread_and_convergence(tmp
 
 
 def test_canvas_smoke(tmp_path, capsys):
-    canvas = load("canvas")
+    canvas = load_benchmark("canvas")
     assert canvas.main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "canvas.json").read_text())
     assert [r["margin_patches"] for r in rows] == [0, 1] and [r["px"] for r in rows] == [16, 24]
@@ -329,7 +319,7 @@ def test_canvas_smoke(tmp_path, capsys):
 
 
 def test_attention_override_scales_and_restricts_attention():
-    canvas = load("canvas")
+    canvas = load_benchmark("canvas")
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 1, 2, 40, 8).unbind(0)  # (B, H, T, hd): 40 keys
 
@@ -350,7 +340,7 @@ def test_attention_override_scales_and_restricts_attention():
 
 
 def test_shapes_leak_smoke(tmp_path):
-    leak = load("shapes_leak")
+    leak = load_benchmark("shapes_leak")
     assert leak.main(["--smoke", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "shapes_leak.json").read_text())
     # Without a PE the model is a bag of patches: shuffling them moves its logits by float rounding only.
@@ -364,7 +354,7 @@ def test_shapes_leak_smoke(tmp_path):
 
 
 def test_speed_smoke(tmp_path):
-    assert load("speed").main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert load_benchmark("speed").main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
     steps = {r["step"] for r in rows}
     assert {"train", "inference", "train (PE cost)", "matmul peak", "data loading"} <= steps
@@ -372,13 +362,13 @@ def test_speed_smoke(tmp_path):
     md = (tmp_path / "speed.md").read_text()
     assert "| rope_mixed |" in md and "matmul peak" in md and "data loading" in md
     assert {r["pe"] for r in rows if "pe" in r} == set(vitpe.list_pos_embeds()) | {"sincos2d+rope_mixed"}  # every family's cost
-    assert load("speed").main(["--smoke", "--part", "pe-cost", "--out", str(tmp_path / "pe")]) == 0
+    assert load_benchmark("speed").main(["--smoke", "--part", "pe-cost", "--out", str(tmp_path / "pe")]) == 0
     only = json.loads((tmp_path / "pe" / "pe_cost.json").read_text())["rows"]
     assert {r["step"] for r in only} == {"train (PE cost)"} and "| liere |" in (tmp_path / "pe" / "pe_cost.md").read_text()
 
 
 def test_bias_mask_benchmark_compares_the_two_layouts_on_the_same_bias(tmp_path):
-    speed = load("speed")
+    speed = load_benchmark("speed")
     assert speed.main(["--smoke", "--part", "bias-mask", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bias_mask.json").read_text())["rows"]
     assert {r["pe"] for r in rows} == {"-", "rel_bias", "cpb", "fire", "lookhere"}
@@ -402,7 +392,7 @@ def test_bias_mask_benchmark_compares_the_two_layouts_on_the_same_bias(tmp_path)
 def test_resolution_transfer_trains_each_dataset_up_to_its_protocols_cap(tmp_path, monkeypatch):
     """shapes doubles a run still moving up to 48 epochs; Fashion-MNIST trains every row once, at its recipe's 8
     (DOUBLINGS); --max-epochs lifts the cap, and a row's next seed then starts where its other seeds went."""
-    study = load("resolution_transfer")
+    study = load_benchmark("resolution_transfer")
     trained = []
 
     def train(run, args, label):
@@ -436,12 +426,12 @@ def test_resolution_transfer_trains_each_dataset_up_to_its_protocols_cap(tmp_pat
 
 def test_resolution_transfer_refuses_a_cap_below_one_epoch(capsys):
     with pytest.raises(SystemExit):
-        load("resolution_transfer").main(["--max-epochs", "0"])
+        load_benchmark("resolution_transfer").main(["--max-epochs", "0"])
     assert "--max-epochs must be at least 1" in capsys.readouterr().err
 
 
 def test_accuracy_smoke(tmp_path):
-    assert load("accuracy").main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert load_benchmark("accuracy").main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "accuracy.json").read_text())
     assert {(r["pe"], r["seed"]) for r in rows} == {("none", 0), ("none", 1), ("rope_mixed", 0), ("rope_mixed", 1)}
     assert all(0 <= r["top1"] <= 1 and r["params"] > 0 and r["train_wall_s"] > 0 for r in rows)
@@ -450,16 +440,16 @@ def test_accuracy_smoke(tmp_path):
     assert (tmp_path / "accuracy.csv").read_text().count("\n") == 5
     # Seeds differ (different runs), and a second invocation reuses the finished runs instead of retraining.
     assert len({r["run"] for r in rows}) == 4
-    assert load("accuracy").main(["--smoke", "--out", str(tmp_path), "--pes", "none"]) == 0
+    assert load_benchmark("accuracy").main(["--smoke", "--out", str(tmp_path), "--pes", "none"]) == 0
     assert len(json.loads((tmp_path / "accuracy.json").read_text())) == 4
     # Other settings make other runs: an override never silently reuses a run trained without it.
-    assert load("accuracy").main(["--smoke", "--out", str(tmp_path), "--pes", "none", "--set", "train.lr=0.01"]) == 0
+    assert load_benchmark("accuracy").main(["--smoke", "--out", str(tmp_path), "--pes", "none", "--set", "train.lr=0.01"]) == 0
     rows = json.loads((tmp_path / "accuracy.json").read_text())
     assert len(rows) == 6 and sum(r["recipe"]["train"]["lr"] == 0.01 for r in rows) == 2
 
 
 def test_per_image_smoke(tmp_path):
-    assert load("per_image").main(["--smoke", "--parts", "token_keep", "packing", "coord_aug", "lattice", "--out", str(tmp_path)]) == 0
+    assert load_benchmark("per_image").main(["--smoke", "--parts", "token_keep", "packing", "coord_aug", "lattice", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "per_image.json").read_text())
     aug = data["coord_aug"][0]  # the study's own augmentation, timed against the same PE without it and against none
     assert aug["pe"] == "rope_axial" and json.loads(aug["coord_aug"]) == {"shift": 1.0, "rescale": 2.0, "jitter": 1.25}
@@ -478,13 +468,13 @@ def test_per_image_coord_aug_times_every_family_the_study_augments():
     import vitpe
 
     # The cost column of the README's "+ coord_aug" rows comes from this part: by default it times each of them.
-    pes = load("per_image").study_aug_pes()
+    pes = load_benchmark("per_image").study_aug_pes()
     assert set(pes) == set(vitpe.list_pos_embeds()) - {"none", "peg"} and len(pes) == len(set(pes))
 
 
 def test_cpu_levers_smoke(tmp_path):
     # compile is left out: its first step compiles for seconds; the part runs in the hand-run benchmark
-    assert load("cpu_levers").main(["--smoke", "--out", str(tmp_path), "--parts", "bf16", "adamw", "profile", "--arch", "main"]) == 0
+    assert load_benchmark("cpu_levers").main(["--smoke", "--out", str(tmp_path), "--parts", "bf16", "adamw", "profile", "--arch", "main"]) == 0
     rows = json.loads((tmp_path / "cpu_levers.json").read_text())["rows"]
     assert [r["part"] for r in rows] == ["bf16", "adamw", "profile"]
     prof = rows[-1]
@@ -494,14 +484,14 @@ def test_cpu_levers_smoke(tmp_path):
     assert rows[0]["ratio_bf16_over_fp32"] > 0 and rows[1]["foreach_img_s"] > 0
     assert "of the fp32 matmul peak" in (tmp_path / "cpu_levers.md").read_text()
     # One part measured again alone (here threads, in worker processes) adds its rows and keeps the others'.
-    assert load("cpu_levers").main(["--smoke", "--out", str(tmp_path), "--parts", "threads", "--arch", "main"]) == 0
+    assert load_benchmark("cpu_levers").main(["--smoke", "--out", str(tmp_path), "--parts", "threads", "--arch", "main"]) == 0
     again = json.loads((tmp_path / "cpu_levers.json").read_text())["rows"]
     assert [r["part"] for r in again] == ["bf16", "adamw", "profile", "threads"] and again[:3] == rows
     threads = again[-1]
     assert threads["cores"] >= 1 and threads["one_process_img_s"] > 0 and threads["per_core_img_s"] > 0
     assert threads["ratio_per_core_over_one_process"] == pytest.approx(threads["per_core_img_s"] / threads["one_process_img_s"])
     assert "torch " + torch.__version__ in threads["measured"] and "per core / one process" in (tmp_path / "cpu_levers.md").read_text()
-    assert load("cpu_levers").main(["--smoke", "--out", str(tmp_path / "c"), "--parts", "content", "--arch", "fmnist"]) == 0
+    assert load_benchmark("cpu_levers").main(["--smoke", "--out", str(tmp_path / "c"), "--parts", "content", "--arch", "fmnist"]) == 0
     row = json.loads((tmp_path / "c" / "cpu_levers.json").read_text())["rows"][0]
     assert row["keep0.5_img_s"] > 0 and row["ratio_keep0.65_over_keep1"] > 0
 
@@ -510,7 +500,7 @@ def test_main_suite_records_its_results_and_a_later_run_of_the_recipe_compares_i
     from vitpe import training
 
     reference = tmp_path / "reference.json"
-    assert load("accuracy").main(["--smoke", "--suite", "main", "--out", str(tmp_path), "--reference", str(reference)]) == 0
+    assert load_benchmark("accuracy").main(["--smoke", "--suite", "main", "--out", str(tmp_path), "--reference", str(reference)]) == 0
     entries = json.loads(reference.read_text())
     assert len(entries) == 1 and set(entries[0]["results"]) == {"none", "rope_mixed"}
     none = entries[0]["results"]["none"]
@@ -528,7 +518,7 @@ def test_main_suite_records_its_results_and_a_later_run_of_the_recipe_compares_i
 
 
 def test_resolution_transfer_counts_the_training_time_of_every_process_of_a_resumed_run():
-    study = load("resolution_transfer")
+    study = load_benchmark("resolution_transfer")
     def metrics(*walls):
         return [{"test_top1": 0.5, "wall_s": w, "epoch_s": 40.0} for w in walls]
 
@@ -543,7 +533,7 @@ def test_resolution_transfer_counts_the_training_time_of_every_process_of_a_resu
 def test_reliability_campaign_kills_resumes_and_keeps_an_earlier_campaign(tmp_path):
     """About a minute of real signals (benchmarks/reliability.py): kill -9, Ctrl-C and SIGTERM each stop a real
     train.py, which resumes to weights equal to an uninterrupted run's; a campaign of other epochs is refused, not replaced."""
-    campaign = load("reliability")
+    campaign = load_benchmark("reliability")
     assert campaign.main(["--smoke", "--trials", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "campaign.json").read_text())["rows"]
     assert [r["kind"] for r in rows] == list(campaign.SIGNALS)

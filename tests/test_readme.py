@@ -1,12 +1,12 @@
 """The README's Python examples run as written, its commands name files that exist, and its study table is the record."""
 import json
 import re
-import statistics
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, load_benchmark
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
 
 
@@ -21,10 +21,9 @@ def test_readme_python_block_runs(i, capsys):
 def test_readme_names_two_setup_commands_and_existing_configs():
     assert "bash scripts/setup.sh && .venv/bin/python train.py" in README
     assert "bash scripts/setup.sh && .venv/bin/python -m pytest -q" in README
-    root = Path(__file__).resolve().parents[1]
     for cfg in set(re.findall(r"configs/\w+\.yaml", README)):
-        assert (root / cfg).is_file(), cfg
-    assert "bash scripts/setup.sh && .venv/bin/python -m pytest -q" in (root / ".ci" / "run").read_text()
+        assert (ROOT / cfg).is_file(), cfg
+    assert "bash scripts/setup.sh && .venv/bin/python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
 
 
 # The README's shell commands that run in seconds, exactly as written, after `source .venv/bin/activate` (what the
@@ -59,9 +58,8 @@ def test_readme_cheap_shell_commands_run_exactly_as_written(tmp_path):
     commands = readme_commands()
     missing = [c for c in CHEAP if c not in commands]
     assert not missing, f"README no longer has {missing}: update CHEAP"
-    root = Path(__file__).resolve().parents[1]
     for name in ("train.py", "eval.py", "configs"):
-        (tmp_path / name).symlink_to(root / name)
+        (tmp_path / name).symlink_to(ROOT / name)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONWARNINGS": "ignore"}
 
     def run(cmd):
@@ -81,17 +79,12 @@ def test_which_pe_table_is_the_study_record():
     """Every accuracy in the README's "Which PE should I use" table is its row's cell in the committed study record
     (docs/resolution_transfer/results.json, `shapes`), rounded as the report rounds: a typed-in number that drifts
     from the record, or a ± that the seeds do not back, fails here."""
-    import importlib.util
+    rt = load_benchmark("resolution_transfer")
+    group = rt.cells(rt.load_results(ROOT / "docs" / "resolution_transfer"))
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("resolution_transfer", root / "benchmarks" / "resolution_transfer.py")
-    rt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rt)
-    group = rt.cells(rt.load_results(root / "docs" / "resolution_transfer"))
-
-    def stat(values, sign="+"):  # as the README writes a cell: the mean alone for one seed
+    def change(values):  # a change in points as the README writes it: the mean alone for one seed
         m, sd = rt.mean_sd(values)
-        return f"{m:{sign}.1f}" if len(values) == 1 else f"{m:{sign}.1f} ± {sd:.1f}"
+        return f"{m:+.1f}" if len(values) == 1 else f"{m:+.1f} ± {sd:.1f}"
 
     section = README.split("## Which PE should I use")[1].split("\n## ")[0]
     table = [line for line in section.splitlines() if line.startswith("| `")]
@@ -104,14 +97,14 @@ def test_which_pe_table_is_the_study_record():
         seeds = re.search(r"\((\d+) seeds\)", name)
         assert len(first) == (int(seeds.group(1)) if seeds else 3), (row, len(first))
         assert epochs == ", ".join(str(e) for e in sorted({r["epochs"] for r in first})), (row, epochs)
-        assert one.strip("*%") == stat([100 * r["top1"] for r in first], sign=""), (row, one)
+        assert one.strip("*%") == rt.fmt(first), (row, one)
+        # "-7.0 ± 4.8 (extrapolate: -31.8 ± 23.8; YaRN: -12.7 ± 5.6)" at 2x; at 4x a bare "(-64.8 ± 8.3; ...)" in
+        # the same order
+        labels = ["interpolate"] + [{"extrapolate": "extrapolate", "YaRN": "extrapolate+yarn"}[k]
+                                    for k in re.findall(r"(extrapolate|YaRN):", two)]
         for column, cell in (("2x", two), ("4x", four)):
-            # "-7.0 ± 4.8 (extrapolate: -31.8 ± 23.8; YaRN: -12.7 ± 5.6)", or its bare "(-64.8 ± 8.3; ...)" at 4x,
-            # which repeats the 2x cell's labels
             numbers = re.findall(r"[+-]\d+\.\d(?: ± \d+\.\d)?", cell)
-            labels = ["interpolate"] + [{"extrapolate": "extrapolate", "YaRN": "extrapolate+yarn"}[k]
-                                        for k in re.findall(r"(extrapolate|YaRN):", two)]
             assert len(numbers) == len(labels), (row, column, cell)
             for label, number in zip(labels, numbers):
-                assert number == stat(rt.drops(group, "shapes", row, label, column)), (row, column, label, number)
-        assert patch == f"{statistics.fmean(rt.drops(group, 'shapes', row, 'patch', '2x')):+.1f}", (row, patch)
+                assert number == change(rt.drops(group, "shapes", row, label, column)), (row, column, label, number)
+        assert patch == rt.points(rt.drop(group, "shapes", row, "patch", "2x")), (row, patch)
