@@ -353,6 +353,37 @@ def test_shapes_leak_smoke(tmp_path):
         leak.main([str(tmp_path / "empty")])
 
 
+def test_scale_probe_takes_positions_grid_and_content_apart(tmp_path):
+    probe = load_benchmark("scale_probe")
+    model = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=3, pos_embed="learned").eval()
+    # Coarsening the 2x grid's coordinates by 2 gives the 1x grid's, each over its 2x2 block (interpolate mode).
+    fine, coarse = model.patch_grid((8, 8), torch.device("cpu")), model.patch_grid((4, 4), torch.device("cpu"))
+    blocks = coarse.coords.reshape(4, 1, 4, 1, 2).expand(-1, 2, -1, 2, -1).reshape(64, 2)
+    assert torch.allclose(probe.coarsened(fine, 2).coords, blocks, atol=1e-6) and probe.coarsened(fine, 2).key is None
+    # Pooled tokens: the 2x image's grid carrying the pooled image's tokens, each repeated 2x2; the hooks go on exit.
+    x = torch.randn(2, 3, 32, 32)
+    with probe.pooled_tokens(model, 2):
+        tokens = model.patchify(x)
+    expected = model.patchify(torch.nn.functional.avg_pool2d(x, 2)).repeat_interleave(2, -2).repeat_interleave(2, -1)
+    assert tokens.shape == (2, 32, 8, 8) and torch.allclose(tokens, expected)
+    assert torch.equal(model.patchify(x), model.patch_embed(x))
+
+    assert probe.main(["--smoke", "--out", str(tmp_path)]) == 0
+    run = str(tmp_path / "learned")
+    assert probe.main([run, "--scale", "4", "--test-size", "32", "--out", str(tmp_path)]) == 0
+    assert probe.main([run, "--scale", "4", "--test-size", "32", "--out", str(tmp_path)]) == 0  # replaces its own entry
+    results = json.loads((tmp_path / "scale_probe.json").read_text())
+    assert [(r["scale"], r["n"]) for r in results] == [(2, 64), (4, 32)]
+    assert [c["cell"] for c in results[1]["cells"]] == ["1x", "2x", "4x", "4x, positions of the 2x grid", "4x, positions of the 1x grid",
+                                                       "4x grid, 2x content", "2x, pooled 4x render"]
+    assert all(0 <= c["top1"] <= 1 for r in results for c in r["cells"]) and results[1]["cells"][0]["change"] == 0
+    assert "| 4x grid, 2x content |" in (tmp_path / "scale_probe.md").read_text()
+    with pytest.raises(SystemExit, match="--scale 1: .* an integer of 2 or more"):
+        probe.main([run, "--scale", "1", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="nowhere does not exist; give a run directory"):
+        probe.main([str(tmp_path / "nowhere"), "--out", str(tmp_path)])
+
+
 def test_speed_smoke(tmp_path):
     assert load_benchmark("speed").main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
