@@ -10,7 +10,8 @@ them apart on the test split, each cell against the same model at 1x:
 
 - ``sx, positions of the (s/k)x grid``: the ``sx`` tokens, each ``k x k`` block given the coordinate of the ``(s/k)x``
   grid's cell it lies in (their mean), for every divisor ``k`` of ``s``. Unchanged top-1: the model does not read the
-  positions' density (nor, at ``k = s``, any position finer than the training grid's).
+  positions' density (nor, at ``k = s``, any position finer than the training grid's). In extrapolate mode a block's
+  mean keeps the fine grid's unit, so there it is the coarser layout, not the coarser grid's coordinates.
 - ``sx grid, (s/2)x content``: the ``sx`` render average-pooled 2x2, patch-embedded, and each patch token repeated 2x2,
   so the ``sx`` token grid and positions carry the ``(s/2)x`` content. Back at the ``(s/2)x`` level: the content's
   scale was the loss; still at the ``sx`` level: the grid was.
