@@ -39,6 +39,7 @@ from vitpe.data.augment import normalize
 from vitpe.data.datasets import SHAPES_SEED
 from vitpe.data.shapes import on_canvas, render_shapes, shapes_params
 from vitpe.evaluation import dataset_of
+from vitpe.training import train_smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "resolution_transfer" / "canvas"
@@ -160,12 +161,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out) if args.out else OUT
     if args.smoke:
-        from vitpe.training import main as train_main
-        work = Path(args.out or tempfile.mkdtemp(prefix="canvas_"))
-        if train_main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--pe", "rope_axial", "--set", "train.epochs=1",
-                       "--set", "model.pool=mean", "--out-dir", str(work), "--name", "rope_axial"]) != 0:
-            raise SystemExit("the smoke run failed to train")
-        args.runs, args.n, args.margins = [str(work / "rope_axial")], 64, [1]
+        run = train_smoke(Path(args.out or tempfile.mkdtemp(prefix="canvas_")), "rope_axial", "model.pool=mean")
+        args.runs, args.n, args.margins = [str(run)], 64, [1]
     if not args.runs:
         p.error("give run directories, or --smoke")
     done = json.loads((out / "canvas.json").read_text()) if (out / "canvas.json").exists() else []

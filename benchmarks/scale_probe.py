@@ -37,9 +37,9 @@ from torch import Tensor
 
 from vitpe.checkpoint import CheckpointError, checkpoint_config, find_checkpoint, model_from_checkpoint
 from vitpe.coords import COORD_MODES, PatchGrid
-from vitpe.data.augment import normalize
-from vitpe.engine import progress_steps
+from vitpe.engine import evaluate
 from vitpe.evaluation import dataset_of
+from vitpe.training import train_smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "docs" / "resolution_transfer" / "scale_probe"
@@ -66,17 +66,6 @@ def pooled_tokens(model, factor: int) -> Iterator[None]:
     finally:
         pre.remove()
         post.remove()
-
-
-@torch.no_grad()
-def top1(model, images: Tensor, labels: Tensor, mean, std, grid_of=None, batch: int = 250, desc: str = "") -> float:
-    """Top-1 of ``model`` on uint8 ``images``; ``grid_of(model, images)`` gives the coordinates (default: the model's)."""
-    correct = 0
-    for i in progress_steps(len(images), batch, desc, progress=True):
-        x = normalize(images[i:i + batch], mean, std)
-        grid = None if grid_of is None else grid_of(model, x)
-        correct += int((model(x, grid=grid).argmax(-1) == labels[i:i + batch]).sum())
-    return correct / len(images)
 
 
 def label(s: float) -> str:
@@ -107,7 +96,8 @@ def probe(run: Path, scale: int, test_size: int, coord_mode: str) -> Dict:
     cells: List[Tuple[str, float]] = []
 
     def measure(name: str, images: Tensor, **kw) -> None:
-        cells.append((name, top1(model, images, labels, ds.mean, ds.std, desc=f"{run.name} {name}", **kw)))
+        res = evaluate(model, images, labels, ds.mean, ds.std, 250, progress=True, desc=f"{run.name} {name}", **kw)
+        cells.append((name, res["top1"]))
 
     measure("1x", at(1)[0])
     half = scale / 2
@@ -157,12 +147,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--smoke", action="store_true", help="train a tiny run for one epoch and probe it at 2x")
     args = p.parse_args(argv)
     if args.smoke:
-        from vitpe.training import main as train_main
         out = Path(args.out or tempfile.mkdtemp(prefix="scale_probe_"))
-        if train_main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--pe", "learned", "--set", "train.epochs=1",
-                       "--out-dir", str(out), "--name", "learned"]) != 0:
-            raise SystemExit("the smoke run failed to train")
-        args.runs, args.scale, args.test_size, args.out = [str(out / "learned")], 2, 64, str(out)
+        args.runs, args.scale, args.test_size, args.out = [str(train_smoke(out, "learned"))], 2, 64, str(out)
     if not args.runs:
         p.error("give one or more run directories, or --smoke")
     out = Path(args.out or DEFAULT_OUT)

@@ -28,6 +28,7 @@ from vitpe.data.augment import normalize
 from vitpe.data.datasets import SHAPES_SEED
 from vitpe.data.shapes import POSITION_CLASSES, pair_play, shapes_params
 from vitpe.evaluation import dataset_of
+from vitpe.training import train_smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAY_EDGES = (0.0, 0.01, 0.03, 1 / 16, 1 / 8, 1.0)  # image widths; the study's patch is 1/8 of its 32 px image
@@ -95,12 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="train a tiny run without a PE for one epoch and measure it")
     args = p.parse_args(argv)
     if args.smoke:
-        from vitpe.training import main as train_main
-        out = Path(args.out or tempfile.mkdtemp(prefix="shapes_leak_"))
-        if train_main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--pe", "none", "--set", "train.epochs=1",
-                       "--out-dir", str(out), "--name", "none"]) != 0:
-            raise SystemExit("the smoke run failed to train")
-        args.run = str(out / "none")
+        args.run = str(train_smoke(Path(args.out or tempfile.mkdtemp(prefix="shapes_leak_")), "none"))
     if not args.run:
         p.error("give a run directory, or --smoke")
     try:

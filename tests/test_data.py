@@ -359,3 +359,30 @@ def test_evaluate_with_test_time_views_averages_the_probabilities():
     assert got["loss"] == pytest.approx(F.nll_loss(probs.log(), labels).item(), rel=1e-5)
     plain = evaluate(model, images, labels, (0.5,), (0.25,), batch_size=16)
     assert plain["loss"] != pytest.approx(got["loss"])  # the views changed the predictions
+
+
+def test_evaluate_gives_each_batch_the_coordinates_grid_of_returns():
+    import dataclasses
+
+    import vitpe
+    from vitpe.data.augment import normalize
+    from vitpe.engine import evaluate
+
+    torch.manual_seed(0)
+    model = vitpe.VisionTransformer(img_size=8, patch_size=4, in_chans=1, num_classes=4, embed_dim=16, depth=1, num_heads=2,
+                                    pos_embed="sincos2d").eval()
+    images, labels = torch.randint(0, 256, (40, 1, 8, 8), dtype=torch.uint8), torch.randint(0, 4, (40,))
+    own = model.patch_grid((2, 2), torch.device("cpu"))
+    flipped = dataclasses.replace(own, coords=own.coords.flip(0), spacing=None, key=None)  # the tokens' positions reversed
+    calls = []
+
+    def grid_of(m, x):
+        calls.append(x.shape[0])
+        return flipped
+
+    got = evaluate(model, images, labels, (0.5,), (0.25,), batch_size=16, grid_of=grid_of)
+    assert calls == [16, 16, 8]  # once per batch, on the batch the model sees
+    with torch.no_grad():
+        logits = model(normalize(images, (0.5,), (0.25,)), grid=flipped)
+    assert got["loss"] == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-5)
+    assert got["loss"] != pytest.approx(evaluate(model, images, labels, (0.5,), (0.25,), batch_size=16)["loss"])

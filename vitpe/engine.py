@@ -5,7 +5,7 @@ import contextlib
 import random
 import sys
 import time
-from typing import Callable, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -128,11 +128,14 @@ def evaluate(
     desc: str = "eval",
     patch_size: Optional[int] = None,
     tta: str = "none",
+    grid_of: Optional[Callable[[nn.Module, Tensor], Any]] = None,
 ) -> Dict[str, float]:
     """Top-1, top-5 (when there are more than 5 classes), mean cross-entropy and per-class top-1 over a split.
 
     ``images`` are uint8, already at the size to evaluate; ``patch_size`` runs a vitpe ViT with a resized patch embedding (FlexiViT).
     ``tta``: average the predicted probabilities over test-time views (:data:`vitpe.data.augment.TTA_MODES`).
+    ``grid_of(model, x)``: the coordinates a vitpe ViT gets for each normalized batch ``x`` (a
+    :class:`~vitpe.coords.PatchGrid`; default: its own), for probes that move the positions and nothing else.
     """
     was_training = model.training
     model.eval()
@@ -142,8 +145,11 @@ def evaluate(
         probs = 0.0
         views = tta_views(x, tta)
         for view in views:
+            kwargs = {} if patch_size is None else {"patch_size": patch_size}
+            if grid_of is not None:
+                kwargs["grid"] = grid_of(model, view)
             with autocast(device, dtype):
-                logits = model(view) if patch_size is None else model(view, patch_size=patch_size)
+                logits = model(view, **kwargs)
             probs = probs + logits.float().softmax(-1) / len(views)
         scores.add(logits if len(views) == 1 else probs.clamp_min(1e-12).log(), labels[s : s + batch_size].to(device))
     model.train(was_training)

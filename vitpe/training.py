@@ -675,6 +675,15 @@ def train_loop(job: Job) -> int:
     return 0
 
 
+def train_smoke(out: Path, pe: str, *overrides: str) -> Path:
+    """``configs/tiny.yaml`` with ``pe`` and ``--set`` ``overrides`` trained for one epoch into ``out/pe``: the run a
+    benchmark's ``--smoke`` measures, seconds on a CPU. Returns the run directory."""
+    sets = [a for o in ("train.epochs=1", *overrides) for a in ("--set", o)]
+    if main(["--config", str(DEFAULT_CONFIG.parent / "tiny.yaml"), "--pe", pe, *sets, "--out-dir", str(out), "--name", pe]) != 0:
+        raise RunError(f"the smoke run {pe} in {out} failed to train; its log above says why")
+    return Path(out) / pe
+
+
 def cli(argv: Optional[List[str]] = None) -> int:
     """The command line: errors are one line and an exit code (:func:`vitpe.errors.run_cli`)."""
     return run_cli(main, argv)
