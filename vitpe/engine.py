@@ -140,12 +140,12 @@ def evaluate(
     was_training = model.training
     model.eval()
     scores = Scores()
+    kwargs = {} if patch_size is None else {"patch_size": patch_size}
     for s in progress_steps(len(labels), batch_size, desc, progress):
         x = normalize(images[s : s + batch_size].to(device, non_blocking=True), mean, std)
         probs = 0.0
         views = tta_views(x, tta)
         for view in views:
-            kwargs = {} if patch_size is None else {"patch_size": patch_size}
             if grid_of is not None:
                 kwargs["grid"] = grid_of(model, view)
             with autocast(device, dtype):
