@@ -31,7 +31,7 @@ from vitpe.config import load_config
 from vitpe.data import load_dataset
 from vitpe.runs import safe_name, train_or_reuse, write_csv
 from vitpe.timing import cpu_name
-from vitpe.training import REFERENCE_FILE, position_top1, recipe_of
+from vitpe.training import REFERENCE_FILE, position_top1, recipe_of, smoke_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,6 @@ PE_RECIPES: Dict[str, List[str]] = {
     "fashion_mnist": ["--config", str(CONFIGS / "fashion_mnist_cpu.yaml"), "--set", "train.budget_min=null", "--set", "train.epochs=1",
                       "--set", "train.warmup_epochs=0.2", "--set", "train.eval_tta=none"],
 }
-SMOKE = ["--config", str(CONFIGS / "tiny.yaml"), "--set", "train.epochs=1"]
 
 
 def result_row(run: Path, suite: str, data: str, seed: int) -> Dict:
@@ -153,7 +152,7 @@ def main(argv=None) -> int:
     if args.smoke:
         suite = "main" if args.suite == "main" else "pe"
         for pe in args.pes or ["none", "rope_mixed"]:
-            jobs += [(suite, "shapes", pe, s, [*SMOKE, "--pe", pe]) for s in (0, 1)]
+            jobs += [(suite, "shapes", pe, s, smoke_args(pe)) for s in (0, 1)]
     elif args.suite == "main":  # the config's own PE and the same recipe without one
         main_cfg = load_config(args.config)
         for pe in args.pes or list(dict.fromkeys([main_cfg.model.pos_embed, "none"])):

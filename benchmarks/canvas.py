@@ -30,14 +30,14 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 import vitpe.vit
 from vitpe.checkpoint import CheckpointError, checkpoint_config, model_from_checkpoint
 from vitpe.coords import PatchGrid
-from vitpe.data.augment import normalize
 from vitpe.data.datasets import SHAPES_SEED
 from vitpe.data.shapes import on_canvas, render_shapes, shapes_params
+from vitpe.engine import evaluate
 from vitpe.evaluation import dataset_of
 from vitpe.training import train_smoke
 
@@ -62,20 +62,23 @@ def attention_override(train_keys: Optional[int] = None, keys: Optional[Tensor] 
     return vitpe.vit.sdpa_override(sdpa)
 
 
-@torch.no_grad()
-def top1(model, x: Tensor, y: Tensor, grid: Optional[PatchGrid] = None, scene: Optional[Tensor] = None,
-         batch: int = 200) -> float:
-    """Top-1 of ``model`` on ``x``; ``scene`` (a bool mask over the patch tokens) pools only those tokens."""
-    hits = 0
-    for i in range(0, len(x), batch):
-        xb = x[i:i + batch]
-        if scene is None:
-            logits = model(xb, grid=grid)
-        else:
-            tokens = model.forward_features(xb, grid=grid)[:, model.num_prefix_tokens:]
-            logits = model.head(tokens[:, scene].mean(1))
-        hits += int((logits.argmax(-1) == y[i:i + batch]).sum())
-    return hits / len(x)
+class ScenePool(nn.Module):
+    """``model`` with its mean pooling over only the patch tokens in ``scene`` (a bool mask over them): is a canvas's
+    loss the pooling's, over more background?"""
+
+    def __init__(self, model: nn.Module, scene: Tensor):
+        super().__init__()
+        self.model, self.scene = model, scene
+
+    def forward(self, x: Tensor, grid: Optional[PatchGrid] = None) -> Tensor:
+        tokens = self.model.forward_features(x, grid=grid)[:, self.model.num_prefix_tokens:]
+        return self.model.head(tokens[:, self.scene].mean(1))
+
+
+def top1(model: nn.Module, images: Tensor, labels: Tensor, ds, grid: Optional[PatchGrid] = None) -> float:
+    """Top-1 of ``model`` on uint8 ``images`` normalized as ``ds``'s, on ``grid`` (default: the model's own)."""
+    return evaluate(model, images, labels, ds.mean, ds.std, batch_size=200,
+                    grid_of=None if grid is None else lambda m, x: grid)["top1"]
 
 
 def run_key(run: Path) -> str:
@@ -99,22 +102,22 @@ def measure(run: Path, margins: List[int], n: int) -> List[Dict]:
     for margin in [0] + [m for m in margins if m > 0]:
         px = size + 2 * margin * patch
         cells = px // patch
-        x = normalize(render_shapes(on_canvas(params, size / px), px), ds.mean, ds.std)
+        x = render_shapes(on_canvas(params, size / px), px)
         # The integer grid continued, shifted so that the scene's patches sit where they sat in training.
         grid = PatchGrid.create((cells, cells), model.ref_grid, "extrapolate").transformed(1, 1, -margin, -margin)
         inside = torch.zeros(cells, cells, dtype=torch.bool)
         inside[margin:cells - margin, margin:cells - margin] = True
-        native = normalize(render_shapes(params, px), ds.mean, ds.std)
+        native = render_shapes(params, px)
         row = {"run": run_key(run), "pos_embed": cfg.model.pos_embed, "seed": cfg.train.seed, "margin_patches": margin,
                "px": px, "tokens": cells * cells, "n": n,
-               "canvas": top1(model, x, labels, grid),
-               "canvas_scene_pool": top1(model, x, labels, grid, inside.flatten()) if cfg.model.pool == "mean" else None,
-               "native": top1(model, native, labels)}
+               "canvas": top1(model, x, labels, ds, grid),
+               "canvas_scene_pool": top1(ScenePool(model, inside.flatten()), x, labels, ds, grid) if cfg.model.pool == "mean" else None,
+               "native": top1(model, native, labels, ds)}
         with attention_override(keys=inside.flatten()):
-            row["canvas_scene_keys"] = top1(model, x, labels, grid)
+            row["canvas_scene_keys"] = top1(model, x, labels, ds, grid)
         with attention_override(train_keys=train_keys):
-            row["canvas_logn"] = top1(model, x, labels, grid)
-            row["native_logn"] = top1(model, native, labels)
+            row["canvas_logn"] = top1(model, x, labels, ds, grid)
+            row["native_logn"] = top1(model, native, labels, ds)
         rows.append(row)
         print(f"[{Path(run).name}] margin {margin} ({px} px): " + ", ".join(
             f"{k} {100 * row[k]:.1f}%" for k in READINGS if row[k] is not None), flush=True)

@@ -675,11 +675,16 @@ def train_loop(job: Job) -> int:
     return 0
 
 
-def train_smoke(out: Path, pe: str, *overrides: str) -> Path:
-    """``configs/tiny.yaml`` with ``pe`` and ``--set`` ``overrides`` trained for one epoch into ``out/pe``: the run a
-    benchmark's ``--smoke`` measures, seconds on a CPU. Returns the run directory."""
+def smoke_args(pe: str, *overrides: str) -> List[str]:
+    """``train.py`` arguments of a smoke run: ``configs/tiny.yaml`` with ``pe`` and ``--set`` ``overrides`` for one
+    epoch, seconds on a CPU (what a benchmark's ``--smoke`` trains and measures)."""
     sets = [a for o in ("train.epochs=1", *overrides) for a in ("--set", o)]
-    if main(["--config", str(DEFAULT_CONFIG.parent / "tiny.yaml"), "--pe", pe, *sets, "--out-dir", str(out), "--name", pe]) != 0:
+    return ["--config", str(DEFAULT_CONFIG.parent / "tiny.yaml"), "--pe", pe, *sets]
+
+
+def train_smoke(out: Path, pe: str, *overrides: str) -> Path:
+    """Train the :func:`smoke_args` run into ``out/pe``; returns the run directory."""
+    if main([*smoke_args(pe, *overrides), "--out-dir", str(out), "--name", pe]) != 0:
         raise RunError(f"the smoke run {pe} in {out} failed to train; its log above says why")
     return Path(out) / pe
 
