@@ -474,14 +474,14 @@ def train_seconds(entry: Dict) -> Optional[float]:
 
 def still_to_measure(rows: List[Dict], data: str) -> List[str]:
     """The report's to-do list for ``data``: every study row (``all_rows``) that lacks one of SEEDS, as
-    ``row (seeds 0, 2 of 0-2)`` where some are measured (these first), else ``row``."""
+    ``row (needs seeds 1, 2)`` where some seed is measured (these first), else plain ``row`` (needs every seed)."""
     have: Dict[str, set] = {}
     for r in rows:
         if r["data"] == data:
             have.setdefault(r["row"], set()).add(r["seed"])
-    todo = {row: sorted(have.get(row, set()) & set(SEEDS)) for row in all_rows() if not set(SEEDS) <= have.get(row, set())}
-    return ([f"{row} (seed{'s' * (len(got) > 1)} {', '.join(map(str, got))} of {SEEDS[0]}-{SEEDS[-1]})" for row, got in todo.items() if got]
-            + [row for row, got in todo.items() if not got])
+    todo = {row: [s for s in SEEDS if s not in have.get(row, set())] for row in all_rows() if not set(SEEDS) <= have.get(row, set())}
+    return ([f"{row} (needs seed{'s' * (len(missing) > 1)} {', '.join(map(str, missing))})" for row, missing in todo.items() if len(missing) < len(SEEDS)]
+            + [row for row, missing in todo.items() if len(missing) == len(SEEDS)])
 
 
 def trained_table(trained: List[Dict]) -> List[str]:

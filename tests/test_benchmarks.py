@@ -83,11 +83,11 @@ def test_resolution_transfer_report_keeps_a_zero_change(tmp_path):
     study.report(rows, tmp_path)
     table = (tmp_path / "table.md").read_text()
     assert "- sincos2d:multires (interpolate): 100.0% at 1x, +0.0 at 2x, +0.0 at 4x" in table and "nan" not in table
-    # What is left of the study, from the record itself: the row with seed 0 first, then every row with none.
+    # What is left of the study, from the record itself: the row with seed 0 first (the seeds it needs), then every row with none.
     todo = next(line for line in table.splitlines() if line.startswith("Still to measure on shapes"))
     rows_left = len(study.all_rows())
     others = ", ".join(r for r in study.all_rows() if r != "sincos2d:multires")
-    assert todo == f"Still to measure on shapes ({rows_left} of {rows_left} rows): sincos2d:multires (seed 0 of 0-2), {others}."
+    assert todo == f"Still to measure on shapes ({rows_left} of {rows_left} rows): sincos2d:multires (needs seeds 1, 2), {others}."
     done = [dict(r, row=row, seed=seed) for row in study.all_rows() for seed in study.SEEDS for r in rows]
     study.report(done, tmp_path)
     assert "Every row of the study is measured on shapes with seeds 0, 1, 2." in (tmp_path / "table.md").read_text()
