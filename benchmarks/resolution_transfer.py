@@ -479,9 +479,9 @@ def still_to_measure(rows: List[Dict], data: str) -> List[str]:
     for r in rows:
         if r["data"] == data:
             have.setdefault(r["row"], set()).add(r["seed"])
-    todo = {row: [s for s in SEEDS if s not in have.get(row, set())] for row in all_rows() if not set(SEEDS) <= have.get(row, set())}
-    return ([f"{row} (needs seed{'s' * (len(missing) > 1)} {', '.join(map(str, missing))})" for row, missing in todo.items() if len(missing) < len(SEEDS)]
-            + [row for row, missing in todo.items() if len(missing) == len(SEEDS)])
+    missing = {row: [s for s in SEEDS if s not in have.get(row, set())] for row in all_rows()}
+    return ([f"{row} (needs seed{'s' * (len(m) > 1)} {', '.join(map(str, m))})" for row, m in missing.items() if 0 < len(m) < len(SEEDS)]
+            + [row for row, m in missing.items() if len(m) == len(SEEDS)])
 
 
 def trained_table(trained: List[Dict]) -> List[str]:
