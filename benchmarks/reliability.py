@@ -82,7 +82,8 @@ def trial(kind: str, delay: float, run: Path, train_args: list) -> dict:
             row["left"], row["intact"] = f"broken checkpoint: {e}", False
         resumed = run_train(["--resume", str(run)]) if row["intact"] else None
     row["resume_returncode"] = None if resumed is None else resumed.returncode
-    row["leftover_temporaries"] = len(list(run.glob(f".{CHECKPOINT_NAME}.tmp*"))) if run.exists() else 0
+    # checkpoint temporaries in the run, and staging directories of its creation beside it (vitpe.runs.create_run_dir)
+    row["leftover_temporaries"] = len([*run.glob(f".{CHECKPOINT_NAME}.tmp*"), *run.parent.glob(f".{run.name}.new*")])
     return row
 
 

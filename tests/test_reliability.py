@@ -21,7 +21,7 @@ from vitpe import training as train_script
 from vitpe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from vitpe.config import ConfigError
 from vitpe.data import DataError, load_dataset
-from vitpe.runs import RunError, RunLock
+from vitpe.runs import RunError, RunLock, create_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")  # 8 steps per epoch, 2 epochs
@@ -96,6 +96,33 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_its_config(base, 
         train(tmp_path, "early")
     assert train_script.main(["--resume", str(tmp_path / "early")]) == 0
     assert same_weights(load_checkpoint(tmp_path / "early")["model"], load_checkpoint(base)["model"])
+
+
+def test_a_kill_while_the_run_directory_is_made_leaves_no_run_without_its_config(base, tmp_path, monkeypatch):
+    """The run directory appears under its name with config.yaml already in it (staged, then renamed): the kill
+    -9 window between mkdir and config.yaml that a CI reliability campaign once hit is gone."""
+    def killed(cfg, path):
+        raise SystemExit("killed")  # inside the staging directory, before the rename
+
+    monkeypatch.setattr(train_script, "save_config", killed)
+    with pytest.raises(SystemExit):
+        train(tmp_path, "mid")
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []  # no run, and the staging directory cleaned up
+    stale = tmp_path / ".mid.new999999999"  # what a kill -9 leaves: a staging directory of a process that is gone
+    stale.mkdir()
+    (stale / "config.yaml").write_text("model: {}\n")
+    assert train(tmp_path, "mid") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mid"]  # the stale staging removed
+    assert same_weights(load_checkpoint(tmp_path / "mid")["model"], load_checkpoint(base)["model"])
+    with pytest.raises(RunError, match="already exists; continue it with --resume"):
+        create_run_dir(tmp_path, "mid", fill=lambda d: (d / "config.yaml").write_text("x"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mid"]
+    # a directory an older vitpe left empty (lock file only) is named as such, not reported as a missing checkpoint
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / ".lock").write_text("1")
+    with pytest.raises(RunError, match="is empty .*remove it and start the run again"):
+        train_script.main(["--resume", str(tmp_path / "old")])
 
 
 @pytest.mark.parametrize("extra, message", [

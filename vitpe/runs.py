@@ -9,7 +9,7 @@ import re
 import shutil
 import signal
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import VitpeError
 
@@ -34,19 +34,47 @@ def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
-def create_run_dir(out_dir: str | Path, name: str) -> Path:
+def create_run_dir(out_dir: str | Path, name: str, fill: Optional[Callable[[Path], None]] = None) -> Path:
     """Make ``out_dir/name`` for a new run; one line of error if it exists or ``out_dir`` is not a directory.
-    ``mkdir`` is atomic, so of two processes starting the same name exactly one gets it."""
+    Of two processes starting the same name exactly one gets it. ``fill(dir)`` writes the run's first files (its
+    config) into a staging directory that is then renamed to the name, so a kill at any instant leaves either no run
+    or one that ``--resume`` continues, never a run directory without its config."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise RunError(f"out_dir {out} is a file, not a directory; give --out-dir a directory")
     run = out / safe_name(name)
+    taken = RunError(f"run directory {run} already exists; continue it with --resume {run}, or pick another --name")
+    out.mkdir(parents=True, exist_ok=True)
+    if fill is None:  # mkdir is atomic and refuses an existing name
+        try:
+            run.mkdir()
+        except FileExistsError:
+            raise taken from None
+        return run
+    if run.exists():
+        raise taken
+    _remove_stale_staging(run)
+    staging = run.with_name(f".{run.name}.new{os.getpid()}")
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        run.mkdir()
-    except FileExistsError:
-        raise RunError(f"run directory {run} already exists; continue it with --resume {run}, or pick another --name") from None
+        staging.mkdir()
+        fill(staging)
+        # rename refuses a non-empty target (config.yaml is in every created run), so the race stays one winner
+        os.rename(staging, run)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+            raise taken from None
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return run
+
+
+def _remove_stale_staging(run: Path) -> None:
+    """Staging directories of creations that a kill interrupted (``.NAME.newPID`` whose process is gone)."""
+    for stale in run.parent.glob(f".{run.name}.new*"):
+        pid = stale.name.rpartition(".new")[2]
+        if not pid.isdigit() or (int(pid) != os.getpid() and not pid_alive(int(pid))):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def pid_alive(pid: int) -> bool:

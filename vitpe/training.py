@@ -39,7 +39,7 @@ from vitpe.data.augment import BatchAugment, normalize
 from vitpe.data.mixed import draw_sizes, mixed_batch
 from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, resolve_device, seed_step
 from vitpe.errors import VitpeError, run_cli
-from vitpe.runs import CONFIG_NAME, METRICS_CSV, METRICS_JSONL, RunError, RunLock, create_run_dir, safe_name, write_metrics  # noqa: F401 (safe_name: public name)
+from vitpe.runs import CONFIG_NAME, LOCK_NAME, METRICS_CSV, METRICS_JSONL, RunError, RunLock, create_run_dir, safe_name, write_metrics  # noqa: F401 (safe_name: public name)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shapes.yaml"  # the repository's configs/
 # Measured results of recipes, by PE (benchmarks/accuracy.py --suite main writes it): what a finished run compares itself to.
@@ -91,8 +91,13 @@ def resume_state(args: argparse.Namespace) -> Tuple[Optional[Dict[str, Any]], Co
         raise ConfigError("a resumed run continues with its saved config; start a new run to change settings")
     given = Path(args.resume)
     run = given if given.is_dir() else given.parent
-    if given.is_dir() and not (given / CHECKPOINT_NAME).exists() and (given / CONFIG_NAME).is_file():
-        return None, load_config(str(given / CONFIG_NAME)), run
+    if given.is_dir() and not (given / CHECKPOINT_NAME).exists():
+        if (given / CONFIG_NAME).is_file():
+            return None, load_config(str(given / CONFIG_NAME)), run
+        # what a kill between mkdir and config.yaml left before run creation became atomic (create_run_dir)
+        if not any(f.name != LOCK_NAME for f in given.iterdir()):
+            raise RunError(f"run directory {given} is empty (it was stopped while it was being made, before any training): "
+                           "nothing is lost; remove it and start the run again")
     state = load_checkpoint(args.resume, verify=not args.no_verify)
     for key in ("optimizer", "scheduler", "epoch", "step"):
         if key not in state:
@@ -335,7 +340,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # ---- run directory: only now, when everything above has been checked ---------------------------------
     if run is None:
         if rank == 0:
-            run = create_run_dir(cfg.out_dir, run_name(cfg))
+            run = create_run_dir(cfg.out_dir, run_name(cfg), fill=lambda d: save_config(cfg, d / CONFIG_NAME))
         if distributed:
             dist.init_process_group("gloo" if device.type != "cuda" else "nccl", timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))
             names = [str(run)]
