@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterator, Tuple, Union
 import torch
 
 from .errors import VitpeError
+from .runs import remove_stale
 from .vit import VisionTransformer
 
 __all__ = [
@@ -57,23 +58,14 @@ def non_finite(state_dict: Dict[str, torch.Tensor]) -> list:
     return [k for k, v in state_dict.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and not torch.isfinite(v).all()]
 
 
-def _remove_stale_temporaries(path: Path) -> None:
-    """Temporaries of writes that a kill interrupted (``.NAME.tmpPID`` whose process is gone)."""
-    from .runs import pid_alive
-
-    for stale in path.parent.glob(f".{path.name}.tmp*"):
-        pid = stale.name.rpartition(".tmp")[2]
-        if not pid.isdigit() or (int(pid) != os.getpid() and not pid_alive(int(pid))):
-            stale.unlink(missing_ok=True)
-
-
 def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> None:
     """Write ``state`` to ``path`` atomically: a temporary file in the same directory, flushed to disk,
     then renamed over the old one. A kill at any moment leaves either the old or the new checkpoint.
     A checksum of the whole state goes with it, and temporaries left by killed writes are removed."""
     path = Path(path)
-    _remove_stale_temporaries(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    prefix = f".{path.name}.tmp"
+    remove_stale(path.parent, prefix)
+    tmp = path.parent / f"{prefix}{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             torch.save({"format": FORMAT, **state, "checksum": state_checksum(state)}, f)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .errors import VitpeError
 
 __all__ = ["RunError", "CONFIG_NAME", "METRICS_JSONL", "METRICS_CSV",
-           "safe_name", "create_run_dir", "RunLock", "write_metrics", "write_csv", "pid_alive", "config_changes", "train_or_reuse",
+           "safe_name", "create_run_dir", "remove_stale", "RunLock", "write_metrics", "write_csv", "pid_alive", "config_changes", "train_or_reuse",
            "park_run", "unpark_run"]
 
 LOCK_NAME = ".lock"
@@ -53,8 +53,9 @@ def create_run_dir(out_dir: str | Path, name: str, fill: Optional[Callable[[Path
         return run
     if run.exists():
         raise taken
-    _remove_stale_staging(run)
-    staging = run.with_name(f".{run.name}.new{os.getpid()}")
+    prefix = f".{run.name}.new"
+    remove_stale(out, prefix)
+    staging = out / f"{prefix}{os.getpid()}"
     try:
         staging.mkdir()
         fill(staging)
@@ -69,12 +70,16 @@ def create_run_dir(out_dir: str | Path, name: str, fill: Optional[Callable[[Path
     return run
 
 
-def _remove_stale_staging(run: Path) -> None:
-    """Staging directories of creations that a kill interrupted (``.NAME.newPID`` whose process is gone)."""
-    for stale in run.parent.glob(f".{run.name}.new*"):
-        pid = stale.name.rpartition(".new")[2]
+def remove_stale(parent: Path, prefix: str) -> None:
+    """Leftovers ``PREFIXpid`` in ``parent`` of writes that a kill interrupted, whose process is gone: checkpoint
+    temporaries (files) and run staging directories alike."""
+    for stale in parent.glob(f"{prefix}*"):
+        pid = stale.name[len(prefix):]
         if not pid.isdigit() or (int(pid) != os.getpid() and not pid_alive(int(pid))):
-            shutil.rmtree(stale, ignore_errors=True)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
 
 
 def pid_alive(pid: int) -> bool:
