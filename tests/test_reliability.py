@@ -21,7 +21,7 @@ from vitpe import training as train_script
 from vitpe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from vitpe.config import ConfigError
 from vitpe.data import DataError, load_dataset
-from vitpe.runs import RunError, RunLock, create_run_dir
+from vitpe.runs import RunError, RunLock, create_run_dir, remove_stale
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")  # 8 steps per epoch, 2 epochs
@@ -114,6 +114,13 @@ def test_a_kill_while_the_run_directory_is_made_leaves_no_run_without_its_config
     (stale / "config.yaml").write_text("model: {}\n")
     assert train(tmp_path, "mid") == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mid"]  # the stale staging removed
+    # a live creation of the run "mid.new1" stages ".mid.new1.newPID": the glob for "mid"'s leftovers matches it, but
+    # it is not "mid"'s and its process is alive, so removing "mid"'s leftovers must leave it
+    other = tmp_path / f".mid.new1.new{os.getppid()}"
+    other.mkdir()
+    remove_stale(tmp_path, ".mid.new")
+    assert other.is_dir()
+    other.rmdir()
     assert same_weights(load_checkpoint(tmp_path / "mid")["model"], load_checkpoint(base)["model"])
     with pytest.raises(RunError, match="already exists; continue it with --resume"):
         create_run_dir(tmp_path, "mid", fill=lambda d: (d / "config.yaml").write_text("x"))

@@ -72,10 +72,12 @@ def create_run_dir(out_dir: str | Path, name: str, fill: Optional[Callable[[Path
 
 def remove_stale(parent: Path, prefix: str) -> None:
     """Leftovers ``PREFIXpid`` in ``parent`` of writes that a kill interrupted, whose process is gone: checkpoint
-    temporaries (files) and run staging directories alike."""
+    temporaries (files) and run staging directories alike. Only ``PREFIX`` followed by digits is ours: the glob also
+    matches the staging directory of a run whose name extends this one (``.a.new1.newPID`` for ``.a.new``), which
+    belongs to that run's creator and is left alone."""
     for stale in parent.glob(f"{prefix}*"):
         pid = stale.name[len(prefix):]
-        if not pid.isdigit() or (int(pid) != os.getpid() and not pid_alive(int(pid))):
+        if pid.isascii() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
             else:
