@@ -97,6 +97,23 @@ def test_resolution_transfer_report_keeps_a_zero_change(tmp_path):
         study.main(["--smoke", "--out", str(tmp_path), "--rows", "none:aug"])
 
 
+def test_resolution_transfer_counts_the_seeds_that_meet_the_target(tmp_path):
+    # The shapes target per seed: at least 95% at 1x, then at most 0.5 points lost at 2x and 2 at 4x. A loss
+    # of exactly the limit meets it (floats: 0.995 - 1.0 is -0.5000000000000004); a missing 4x cell does not.
+    study = load_benchmark("resolution_transfer")
+    seeds = {0: (1.0, 0.995, 0.98), 1: (1.0, 0.995, 0.979), 2: (0.94, 0.94, 0.94), 3: (1.0, 1.0, None), 4: (0.97, 0.964, 0.97)}
+    rows = [{"data": "shapes", "row": "cpb:multires", "pe": "cpb", "variant": "multires", "seed": seed, "train_size": 32,
+             "epochs": 48, "converged": True, "train_wall_s": 60.0, "label": "interpolate", "route": "coords",
+             "coord_mode": "interpolate", "rope_scaling": "none", "column": c, "scale": k, "height": 32 * k,
+             "width": 32 * k, "top1": t, "tokens_per_image": 64 * k * k}
+            for seed, tops in seeds.items() for (c, k), t in zip((("1x", 1), ("2x", 2), ("4x", 4)), tops) if t is not None]
+    group = study.cells(rows)
+    assert study.target_seeds(group, "shapes", "cpb:multires") == (1, 5)
+    assert study.target_seeds(group, "shapes", "cpb:multires", "extrapolate") == (0, 0)
+    study.report(rows, tmp_path)
+    assert "\n- cpb:multires: 1 of 5\n" in (tmp_path / "table.md").read_text()
+
+
 def test_resolution_transfer_processes_share_one_out(tmp_path, capsys):
     study = load_benchmark("resolution_transfer")
     # A (data, row, seed) another study process holds is skipped, not trained a second time beside it.

@@ -87,14 +87,17 @@ def test_which_pe_table_is_the_study_record():
         return f"{m:+.1f}" if len(values) == 1 else f"{m:+.1f} ± {sd:.1f}"
 
     section = README.split("## Which PE should I use")[1].split("\n## ")[0]
-    table = [line for line in section.splitlines() if line.startswith("| `")]
-    assert len(table) >= 20
-    for line in table:
-        name, epochs, one, two, four, patch = [c.strip() for c in line.strip("|").split("|")][:6]
+    # Two tables: the rows trained at several sizes (their header says so), then those trained at 32 px only.
+    tables = [block.splitlines() for block in re.findall(r"^\|.*?(?=\n\n|\Z)", section, flags=re.S | re.M)]
+    multires = [t for t in tables if "trained at 16-64 px" in t[0]]
+    assert len(tables) == 2 and len(multires) == 1, [t[0] for t in tables]
+    def check_row(line, multires):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name, epochs, one, two, four, patch = cells[:6]
         pe = re.match(r"`(\w+)`", name).group(1)
-        row = pe + (":multires" if "trained at" in name else ":aug" if "`coord_aug`" in name else "")
+        row = pe + (":multires" if multires else ":aug" if "`coord_aug`" in name else "")
         first = group[("shapes", row, "interpolate", "1x")]
-        seeds = re.search(r"\((\d+) seeds\)", name)
+        seeds = re.search(r"\((\d+) seeds?\)", name)
         assert len(first) == (int(seeds.group(1)) if seeds else 3), (row, len(first))
         assert epochs == ", ".join(str(e) for e in sorted({r["epochs"] for r in first})), (row, epochs)
         assert one.strip("*%") == rt.fmt(first), (row, one)
@@ -108,3 +111,12 @@ def test_which_pe_table_is_the_study_record():
             for label, number in zip(labels, numbers):
                 assert number == change(rt.drops(group, "shapes", row, label, column)), (row, column, label, number)
         assert patch == rt.points(rt.drop(group, "shapes", row, "patch", "2x")), (row, patch)
+        if multires:
+            assert cells[6] == "{} of {}".format(*rt.target_seeds(group, "shapes", row)), (row, cells[6])
+
+    checked = 0
+    for table in tables:
+        for line in table[2:]:
+            check_row(line, multires=table is multires[0])
+            checked += 1
+    assert checked >= 36  # every family in both tables
