@@ -101,6 +101,7 @@ def test_which_pe_table_is_the_study_record():
         assert len(first) == (int(seeds.group(1)) if seeds else 3), (row, len(first))
         assert epochs == ", ".join(str(e) for e in sorted({r["epochs"] for r in first})), (row, epochs)
         assert one.strip("*%") == rt.fmt(first), (row, one)
+        assert one.endswith("*") == (not all(r["converged"] for r in first)), (row, one, "a * marks a seed not converged")
         # "-7.0 ± 4.8 (extrapolate: -31.8 ± 23.8; YaRN: -12.7 ± 5.6)" at 2x; at 4x a bare "(-64.8 ± 8.3; ...)" in
         # the same order
         labels = ["interpolate"] + [{"extrapolate": "extrapolate", "YaRN": "extrapolate+yarn"}[k]
