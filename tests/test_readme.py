@@ -76,7 +76,7 @@ def test_readme_cheap_shell_commands_run_exactly_as_written(tmp_path):
 
 
 def test_which_pe_table_is_the_study_record():
-    """Every accuracy in the README's "Which PE should I use" table is its row's cell in the committed study record
+    """Every accuracy in the README's "Which PE should I use" tables is its row's cell in the committed study record
     (docs/resolution_transfer/results.json, `shapes`), rounded as the report rounds: a typed-in number that drifts
     from the record, or a ± that the seeds do not back, fails here."""
     rt = load_benchmark("resolution_transfer")
@@ -91,11 +91,12 @@ def test_which_pe_table_is_the_study_record():
     tables = [block.splitlines() for block in re.findall(r"^\|.*?(?=\n\n|\Z)", section, flags=re.S | re.M)]
     multires = [t for t in tables if "trained at 16-64 px" in t[0]]
     assert len(tables) == 2 and len(multires) == 1, [t[0] for t in tables]
-    def check_row(line, multires):
+
+    def check_row(line, several_sizes):
         cells = [c.strip() for c in line.strip("|").split("|")]
         name, epochs, one, two, four, patch = cells[:6]
         pe = re.match(r"`(\w+)`", name).group(1)
-        row = pe + (":multires" if multires else ":aug" if "`coord_aug`" in name else "")
+        row = pe + (":multires" if several_sizes else ":aug" if "`coord_aug`" in name else "")
         first = group[("shapes", row, "interpolate", "1x")]
         seeds = re.search(r"\((\d+) seeds?\)", name)
         assert len(first) == (int(seeds.group(1)) if seeds else 3), (row, len(first))
@@ -112,12 +113,12 @@ def test_which_pe_table_is_the_study_record():
             for label, number in zip(labels, numbers):
                 assert number == change(rt.drops(group, "shapes", row, label, column)), (row, column, label, number)
         assert patch == rt.points(rt.drop(group, "shapes", row, "patch", "2x")), (row, patch)
-        if multires:
+        if several_sizes:
             assert cells[6] == "{} of {}".format(*rt.target_seeds(group, "shapes", row)), (row, cells[6])
 
     checked = 0
     for table in tables:
         for line in table[2:]:
-            check_row(line, multires=table is multires[0])
+            check_row(line, several_sizes=table is multires[0])
             checked += 1
     assert checked >= 36  # every family in both tables
