@@ -467,14 +467,25 @@ def best_rows(rows: List[Dict], data: str, floor: float) -> List[Tuple[float, st
     return sorted(out, reverse=True)
 
 
-def target_seeds(group: Dict, data: str, row: str, label: str = "interpolate") -> Tuple[int, int]:
-    """(seeds of ``row`` that meet the issue's target on ``label``'s route, seeds measured): a seed meets it when its
-    top-1 at 1x is at least TARGET_FLOOR and it loses at most TARGET_LOSS points at each of the target's scales."""
+def target_cells(group: Dict, data: str, row: str, label: str = "interpolate") -> Dict[int, Tuple[float, Dict[str, Optional[float]], bool]]:
+    """Per seed of ``row`` on ``label``'s route: (top-1 % at 1x, {target scale: change from 1x in points, None where not
+    measured}, whether it meets the issue's target). A seed meets it when its top-1 at 1x is at least TARGET_FLOOR and
+    it loses at most TARGET_LOSS points at each of the target's scales; a missing scale does not meet it."""
     one = {r["seed"]: r["top1"] for r in group.get((data, row, label, "1x"), [])}
     at = {column: {r["seed"]: r["top1"] for r in group.get((data, row, label, column), [])} for column in TARGET_LOSS[data]}
-    met = [seed for seed, top1 in one.items() if top1 >= TARGET_FLOOR[data]
-           and all(seed in at[c] and 100 * (at[c][seed] - top1) >= -limit - 1e-9 for c, limit in TARGET_LOSS[data].items())]
-    return len(met), len(one)
+    out = {}
+    for seed, top1 in sorted(one.items()):
+        change = {c: (100 * (at[c][seed] - top1) if seed in at[c] else None) for c in TARGET_LOSS[data]}
+        met = top1 >= TARGET_FLOOR[data] and all(change[c] is not None and change[c] >= -limit - 1e-9
+                                                 for c, limit in TARGET_LOSS[data].items())
+        out[seed] = (100 * top1, change, met)
+    return out
+
+
+def target_seeds(group: Dict, data: str, row: str, label: str = "interpolate") -> Tuple[int, int]:
+    """(seeds of ``row`` that meet the issue's target on ``label``'s route, seeds measured): ``target_cells`` counted."""
+    per_seed = target_cells(group, data, row, label)
+    return sum(met for _, _, met in per_seed.values()), len(per_seed)
 
 
 def train_seconds(entry: Dict) -> Optional[float]:
@@ -588,9 +599,17 @@ def report(rows: List[Dict], out: Path) -> None:
                   for d, row, label, one in best[:5]] or ["- none yet"]
         lines.append("")
         limits = " and ".join(f"{limit:g} at {c}" for c, limit in TARGET_LOSS[data].items())
+        per_row = {row: target_cells(group, data, row) for row in run_info}
+        seeds = sorted({seed for per_seed in per_row.values() for seed in per_seed})
         lines += [f"### {data}: seeds meeting the target (at least {100 * floor:.0f}% at 1x, losing at most {limits}; "
-                  "interpolate mode)", ""]
-        lines += [f"- {row}: {met} of {n}" for row in run_info for met, n in [target_seeds(group, data, row)] if n]
+                  f"interpolate mode; each seed's top-1 at 1x, then its change at {', '.join(TARGET_LOSS[data])}; bold: met)", "",
+                  "| row | met | " + " | ".join(f"seed {s}" for s in seeds) + " |", "| --- | ---: | " + " | ".join("---:" for _ in seeds) + " |"]
+        for row, per_seed in per_row.items():
+            if not per_seed:
+                continue
+            shown = {seed: ", ".join([f"{one:.1f}%"] + [points(change[c]) for c in TARGET_LOSS[data]]) for seed, (one, change, _) in per_seed.items()}
+            lines.append(f"| {row} | {sum(m for _, _, m in per_seed.values())} of {len(per_seed)} | "
+                         + " | ".join("-" if s not in shown else f"**{shown[s]}**" if per_seed[s][2] else shown[s] for s in seeds) + " |")
         lines.append("")
         plot(sub, group, data, out)
     (out / "table.md").write_text("\n".join(lines))

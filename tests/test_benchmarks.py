@@ -111,7 +111,11 @@ def test_resolution_transfer_counts_the_seeds_that_meet_the_target(tmp_path):
     assert study.target_seeds(group, "shapes", "cpb:multires") == (1, 5)
     assert study.target_seeds(group, "shapes", "cpb:multires", "extrapolate") == (0, 0)
     study.report(rows, tmp_path)
-    assert "\n- cpb:multires: 1 of 5\n" in (tmp_path / "table.md").read_text()
+    table = (tmp_path / "table.md").read_text()
+    assert study.target_cells(group, "shapes", "cpb:multires")[3] == (100.0, {"2x": 0.0, "4x": None}, False)
+    # Each seed's cells, the met ones in bold, so that the docs can cite the per-seed numbers instead of copying them.
+    assert ("| cpb:multires | 1 of 5 | **100.0%, -0.5, -2.0** | 100.0%, -0.5, -2.1 | 94.0%, +0.0, +0.0 | 100.0%, +0.0, - | "
+            "97.0%, -0.6, +0.0 |") in table, table
 
 
 def test_resolution_transfer_processes_share_one_out(tmp_path, capsys):
