@@ -482,10 +482,14 @@ def target_cells(group: Dict, data: str, row: str, label: str = "interpolate") -
     return out
 
 
-def target_seeds(group: Dict, data: str, row: str, label: str = "interpolate") -> Tuple[int, int]:
-    """(seeds of ``row`` that meet the issue's target on ``label``'s route, seeds measured): ``target_cells`` counted."""
-    per_seed = target_cells(group, data, row, label)
+def seeds_met(per_seed: Dict[int, Tuple[float, Dict[str, Optional[float]], bool]]) -> Tuple[int, int]:
+    """(seeds that meet the target, seeds measured) of one row's ``target_cells``."""
     return sum(met for _, _, met in per_seed.values()), len(per_seed)
+
+
+def target_seeds(group: Dict, data: str, row: str, label: str = "interpolate") -> Tuple[int, int]:
+    """(seeds of ``row`` that meet the issue's target on ``label``'s route, seeds measured)."""
+    return seeds_met(target_cells(group, data, row, label))
 
 
 def train_seconds(entry: Dict) -> Optional[float]:
@@ -608,7 +612,8 @@ def report(rows: List[Dict], out: Path) -> None:
             if not per_seed:
                 continue
             shown = {seed: ", ".join([f"{one:.1f}%"] + [points(change[c]) for c in TARGET_LOSS[data]]) for seed, (one, change, _) in per_seed.items()}
-            lines.append(f"| {row} | {sum(m for _, _, m in per_seed.values())} of {len(per_seed)} | "
+            met, n = seeds_met(per_seed)
+            lines.append(f"| {row} | {met} of {n} | "
                          + " | ".join("-" if s not in shown else f"**{shown[s]}**" if per_seed[s][2] else shown[s] for s in seeds) + " |")
         lines.append("")
         plot(sub, group, data, out)
