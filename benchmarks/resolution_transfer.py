@@ -9,7 +9,7 @@ route and the RoPE extrapolation controls, with each layer's attention distance 
     python benchmarks/resolution_transfer.py --report                             # tables and plots from results.json
     python benchmarks/resolution_transfer.py --smoke                              # seconds: checks the script still runs
     python benchmarks/resolution_transfer.py --jobs 2 --data shapes --seeds 1 2   # two runs at a time, a core each
-    python benchmarks/resolution_transfer.py --park                               # unfinished runs into OUT/parked, to commit
+    python benchmarks/resolution_transfer.py --park                               # unfinished (or unevaluated) runs into OUT/parked, to commit
 
 A row is a family name, or ``FAMILY:aug`` (``model.coord_aug`` = AUG below, a draw per image), ``FAMILY:augbatch`` (the
 same, one draw per batch: the default for PER_BATCH_ONLY, whose draw per image costs 9-35 times their training) or
@@ -20,7 +20,7 @@ merged into OUT/results.json (and the report rewritten) as soon as it is measure
 restarted at any point, across sessions. The runs are git-ignored; OUT/trained.json, committed, records each run's
 config and convergence, so that on another machine a seed already measured with this recipe is not trained again.
 A run longer than a machine is kept: stop the study (it saves at a step boundary), ``--park`` copies every unfinished
-run to OUT/parked, commit it, and the study on the next machine goes on from there (removing the copy once it ends).
+run (and every finished one not yet evaluated) to OUT/parked, commit it, and the study on the next machine goes on from there (removing the copy once it ends).
 
 Convergence: a run has converged when its test top-1 rose by less than CONVERGED_POINTS over the last fifth of its
 epochs. A run that has not is trained again from scratch with twice the epochs, up to --max-epochs (by default
@@ -182,16 +182,22 @@ def train_converged(data: str, row: str, seed: int, args, runs: Path, results: L
 
 def park(out: Path) -> int:
     """``--park``: every unfinished run in OUT/runs copied to OUT/PARKED (committed), for the next machine to go on with:
-    the study brings a parked run back when it reaches it (``train_converged``) and removes the copy once it finishes."""
+    the study brings a parked run back when it reaches it (``train_converged``) and removes the copy once it finishes.
+    A finished run that results.json does not hold yet (stopped between its last epoch and its evaluation) is parked
+    too, unless trained.json says a longer run replaced it: the next machine then evaluates it instead of training it
+    again."""
+    evaluated = {Path(r["run"]).name for r in load_results(out)}
+    replaced = {e["run"] for e in load_trained(out) if e.get("retrained_with")}
     parked = 0
     for run in sorted(p for p in (out / "runs").iterdir() if p.is_dir() and not p.name.startswith(".")):
         try:
-            if park_run(run, out / PARKED / run.name):
+            if park_run(run, out / PARKED / run.name, finished=run.name not in evaluated | replaced):
                 parked += 1
                 print(f"parked {run.name} ({(out / PARKED / run.name / CHECKPOINT_NAME).stat().st_size / 1e6:.1f} MB)")
         except RunError as e:
             print(f"{e}: not parked")
-    print(f"{parked} unfinished run{'s' * (parked != 1)} parked in {out / PARKED}" + (": commit it" if parked else ""))
+    print(f"{parked} run{'s' * (parked != 1)} parked in {out / PARKED} (unfinished or not yet evaluated)"
+          + (": commit it" if parked else ""))
     return 0
 
 
@@ -763,8 +769,9 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], help="extra config override for every run")
     p.add_argument("--out", default=str(ROOT / "docs" / "resolution_transfer"))
     p.add_argument("--report", action="store_true", help="only rewrite the tables and plots from OUT/results.json")
-    p.add_argument("--park", action="store_true", help="copy every unfinished run to OUT/parked (git tracks it; stop the study "
-                                                       "first): a later study on another machine goes on from there")
+    p.add_argument("--park", action="store_true", help="copy every unfinished run, and every finished one not yet evaluated, to "
+                                                       "OUT/parked (git tracks it; stop the study first): a later study on another "
+                                                       "machine goes on from there")
     p.add_argument("--smoke", action="store_true", help="tiny config, two rows, one seed, shapes only: seconds")
     p.add_argument("--jobs", type=int, default=1, help="study processes at once, the cores split between them; each logs "
                                                         "to OUT/runs/jobK.log")

@@ -206,7 +206,7 @@ def test_resolution_transfer_parks_an_unfinished_run_for_the_next_machine(tmp_pa
         assert study.main(["--park", "--out", str(tmp_path)]) == 0
     assert "is in use by process" in capsys.readouterr().out and not parked.exists()
     assert study.main(["--park", "--out", str(tmp_path)]) == 0
-    assert "1 unfinished run parked" in capsys.readouterr().out
+    assert "1 run parked" in capsys.readouterr().out
     assert {p.name for p in parked.iterdir()} == {"checkpoint.pt", "config.yaml"}  # stopped in its first epoch: no metrics yet
     assert (load_checkpoint(parked)["epoch"], load_checkpoint(parked)["step"]) == (0, 3)
     assert not unpark_run(parked, run)  # the run got as far on this machine: nothing brought back over it
@@ -216,8 +216,18 @@ def test_resolution_transfer_parks_an_unfinished_run_for_the_next_machine(tmp_pa
     assert "brought back from" in out and "at epoch 1, step 3/8" in out and "its parked copy" in out
     assert not parked.exists() and load_checkpoint(run)["epoch"] == 1
     assert {r["row"] for r in json.loads((tmp_path / "results.json").read_text())} == {"learned"}
-    assert study.main(["--park", "--out", str(tmp_path)]) == 0  # a finished run stays where it is
-    assert "0 unfinished runs parked" in capsys.readouterr().out and not parked.exists()
+    assert study.main(["--park", "--out", str(tmp_path)]) == 0  # a finished, evaluated run stays where it is
+    assert "0 runs parked" in capsys.readouterr().out and not parked.exists()
+    # Stopped between its last epoch and its evaluation: the run is finished but results.json does not hold it. It is
+    # parked too, and the next machine evaluates it rather than training it again.
+    (tmp_path / "results.json").unlink()
+    assert study.main(["--park", "--out", str(tmp_path)]) == 0
+    assert "1 run parked" in capsys.readouterr().out and load_checkpoint(parked)["epoch"] == 1
+    shutil.rmtree(tmp_path / "runs")
+    assert study.main(cmd) == 0
+    out = capsys.readouterr().out
+    assert "brought back from" in out and "reusing finished run" in out and "resuming" not in out
+    assert not parked.exists() and {r["row"] for r in json.loads((tmp_path / "results.json").read_text())} == {"learned"}
 
 
 def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_or_its_plain_family_needed_to_go(tmp_path):

@@ -228,16 +228,17 @@ def _copy_run_files(src: Path, dest: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def park_run(run: Path, parked: Path) -> bool:
+def park_run(run: Path, parked: Path, finished: bool = False) -> bool:
     """Copy an unfinished run's checkpoint, config and metrics to ``parked``, a folder git tracks. Run directories are
     git-ignored and go with their machine; a run longer than one machine is kept (hours of a study, on machines handed
-    out per session) is committed parked and goes on where it stopped on the next (:func:`unpark_run`). False for a
-    finished run or one with no checkpoint yet; :class:`RunError` for one a process is training (stop it first: it
-    saves at its next step boundary)."""
+    out per session) is committed parked and goes on where it stopped on the next (:func:`unpark_run`). ``finished``
+    parks a finished run too (one trained but not yet evaluated: without it the next machine trains it again). False
+    for a finished run otherwise or one with no checkpoint yet; :class:`RunError` for one a process is training (stop
+    it first: it saves at its next step boundary)."""
     run, parked = Path(run), Path(parked)
     with RunLock(run):
         progress = _progress(run)
-        if progress is None or progress[0] >= progress[2]:
+        if progress is None or (progress[0] >= progress[2] and not finished):
             return False
         _copy_run_files(run, parked)
     return True
