@@ -186,12 +186,12 @@ def park(out: Path) -> int:
     A finished run that results.json does not hold yet (stopped between its last epoch and its evaluation) is parked
     too, unless trained.json says a longer run replaced it: the next machine then evaluates it instead of training it
     again."""
-    evaluated = {Path(r["run"]).name for r in load_results(out)}
-    replaced = {e["run"] for e in load_trained(out) if e.get("retrained_with")}
+    # Finished runs with nothing left to do here: evaluated, or replaced by a longer run of the same seed.
+    settled = {Path(r["run"]).name for r in load_results(out)} | {e["run"] for e in load_trained(out) if e.get("retrained_with")}
     parked = 0
     for run in sorted(p for p in (out / "runs").iterdir() if p.is_dir() and not p.name.startswith(".")):
         try:
-            if park_run(run, out / PARKED / run.name, finished=run.name not in evaluated | replaced):
+            if park_run(run, out / PARKED / run.name, finished=run.name not in settled):
                 parked += 1
                 print(f"parked {run.name} ({(out / PARKED / run.name / CHECKPOINT_NAME).stat().st_size / 1e6:.1f} MB)")
         except RunError as e:
