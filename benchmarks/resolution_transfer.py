@@ -500,8 +500,12 @@ def target_seeds(group: Dict, data: str, row: str, label: str = "interpolate") -
 
 def train_seconds(entry: Dict) -> Optional[float]:
     """A run's training seconds from its record (a results.json row or a trained.json entry): ``train_time_s`` (a
-    resumed run's pieces summed), else ``train_wall_s``; early entries have only one of them, a few neither."""
-    return entry.get("train_time_s") or entry.get("train_wall_s")
+    resumed run's pieces summed), else ``train_wall_s``; early entries have only one of them, a few neither. A tiny run
+    can round to 0.0 seconds: that is a measurement, not a missing one."""
+    for key in ("train_time_s", "train_wall_s"):
+        if entry.get(key) is not None and not math.isnan(entry[key]):
+            return entry[key]
+    return None
 
 
 def still_to_measure(rows: List[Dict], data: str) -> List[str]:
@@ -534,7 +538,7 @@ def trained_table(trained: List[Dict]) -> List[str]:
             verdict = "yes" if e["converged"] else f"no: retrained with {e['retrained_with']}" if e.get("retrained_with") else "no"
             gain = e["last_fifth_gain_points"]  # NaN for a run too short to have a last fifth
             lines.append(f"| {e['row']} | {e['seed']} | {e['epochs']} | {'-' if math.isnan(gain) else f'{gain:+.2f}'} | {verdict} | "
-                         + (f"{t / 60:.1f} | {t / 60 / e['epochs']:.2f} |" if t else "- | - |"))
+                         + (f"{t / 60:.1f} | {t / 60 / e['epochs']:.2f} |" if t is not None else "- | - |"))
         lines.append("")
     return lines
 

@@ -13,6 +13,20 @@ from conftest import ROOT, load_benchmark
 import vitpe
 
 
+def test_resolution_transfer_train_minutes_zero_is_a_measurement():
+    """A tiny run on a fast machine trains in under 0.05 s, which the record rounds to 0.0: the report shows 0.0, not
+    the '-' of a record without a time (a fast VM made the smoke's trained.md flip between the two)."""
+    study = load_benchmark("resolution_transfer")
+    assert study.train_seconds({"train_time_s": 0.0, "train_wall_s": 7.0}) == 0.0
+    assert study.train_seconds({"train_wall_s": 90.0}) == 90.0
+    assert study.train_seconds({"train_time_s": float("nan")}) is None and study.train_seconds({}) is None
+    entry = {"data": "shapes", "row": "learned", "seed": 0, "epochs": 1, "converged": False, "retrained_with": 2,
+             "last_fifth_gain_points": float("nan"), "train_time_s": 0.0}
+    table = "\n".join(study.trained_table([entry, {**entry, "train_time_s": None}]))
+    assert "| learned | 0 | 1 | - | no: retrained with 2 | 0.0 | 0.00 |" in table
+    assert "| learned | 0 | 1 | - | no: retrained with 2 | - | - |" in table
+
+
 def test_resolution_transfer_smoke(tmp_path, capsys):
     study = load_benchmark("resolution_transfer")
     assert study.main(["--smoke", "--out", str(tmp_path)]) == 0
