@@ -575,8 +575,10 @@ def report(rows: List[Dict], out: Path) -> None:
         for row, seeds in run_info.items():
             conv = [s["converged"] for s in seeds.values()]
             fit = [100 * s["train_acc"] for s in seeds.values() if s.get("train_acc") is not None]
+            # train_seconds' None (a record without a time) is left out, as in trained.md, not averaged into a crash.
+            minutes = [t / 60 for t in map(train_seconds, seeds.values()) if t is not None]
             lines.append(f"| {row} | {len(seeds)} | {statistics.fmean(s['epochs'] for s in seeds.values()):.0f} | "
-                         f"{statistics.fmean(train_seconds(s) for s in seeds.values()) / 60:.1f} | {sum(conv)}/{len(conv)} | "
+                         f"{f'{statistics.fmean(minutes):.1f}' if minutes else '-'} | {sum(conv)}/{len(conv)} | "
                          f"{f'{statistics.fmean(fit):.1f}' if fit else '-'} | "
                          f"{fmt(group.get((data, row, 'interpolate', '1x')))} |")
         todo = still_to_measure(rows, data)

@@ -13,7 +13,7 @@ from conftest import ROOT, load_benchmark
 import vitpe
 
 
-def test_resolution_transfer_train_minutes_zero_is_a_measurement():
+def test_resolution_transfer_train_minutes_zero_is_a_measurement(tmp_path):
     """A tiny run on a fast machine trains in under 0.05 s, which the record rounds to 0.0: the report shows 0.0, not
     the '-' of a record without a time (a fast VM made the smoke's trained.md flip between the two)."""
     study = load_benchmark("resolution_transfer")
@@ -25,6 +25,15 @@ def test_resolution_transfer_train_minutes_zero_is_a_measurement():
     table = "\n".join(study.trained_table([entry, {**entry, "train_time_s": None}]))
     assert "| learned | 0 | 1 | - | no: retrained with 2 | 0.0 | 0.00 |" in table
     assert "| learned | 0 | 1 | - | no: retrained with 2 | - | - |" in table
+    # The seeds table of table.md averages the times the record has and shows '-' for a row with none.
+    rows = [{"data": "shapes", "row": "learned", "pe": "learned", "variant": "", "seed": 0, "train_size": 32,
+             "epochs": 1, "converged": False, "label": "interpolate", "route": "coords", "coord_mode": "interpolate",
+             "rope_scaling": "none", "column": "1x", "scale": 1, "height": 32, "width": 32, "top1": 0.5,
+             "tokens_per_image": 64}]
+    study.report(rows, tmp_path)
+    assert "| learned | 1 | 1 | - | 0/1 | - | 50.0 |" in (tmp_path / "table.md").read_text()
+    study.report([{**rows[0], "train_time_s": 0.0}, {**rows[0], "seed": 1, "train_wall_s": 120.0}], tmp_path)
+    assert "| learned | 2 | 1 | 1.0 | 0/2 | - | 50.0 ± 0.0 |" in (tmp_path / "table.md").read_text()
 
 
 def test_resolution_transfer_smoke(tmp_path, capsys):
