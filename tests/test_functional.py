@@ -27,6 +27,21 @@ def test_grid_coords_reference_grid_is_integer_lattice(mode):
     assert torch.equal(a, integer) and torch.equal(b, integer)
 
 
+def test_extend_mode_extrapolates_the_longer_axes_and_interpolates_the_shorter():
+    # 6 rows x 12 columns against an 8 x 8 reference: x (12 > 8) continues the integer grid, y (6 < 8) keeps the
+    # trained extent; a grid no larger than the reference is interpolate mode, one no smaller is extrapolate mode.
+    ext, interp = (vitpe.grid_coords((6, 12), (8, 8), m) for m in ("extend", "interpolate"))
+    torch.testing.assert_close(ext[:, 0], vitpe.grid_coords((6, 12), (8, 8), "extrapolate")[:, 0])
+    torch.testing.assert_close(ext[:, 1], interp[:, 1])
+    for size, same in [((5, 8), "interpolate"), ((4, 3), "interpolate"), ((8, 11), "extrapolate"), ((16, 9), "extrapolate")]:
+        assert torch.equal(vitpe.grid_coords(size, (8, 8), "extend"), vitpe.grid_coords(size, (8, 8), same)), size
+    grid = vitpe.PatchGrid.create((6, 12), (8, 8), "extend")
+    assert grid.spacing == (1.0, pytest.approx(8 / 6)) and grid.extent().tolist() == [12.0, 8.0]
+    # The per-token formula (packed rows of mixed sizes) agrees with the grid's, axis by axis.
+    cells, sizes = vitpe.coords.grid_cells((6, 12)), torch.tensor([12, 6])
+    torch.testing.assert_close(vitpe.cell_coords(cells[None], sizes.expand(1, 72, 2), (8, 8), "extend")[0], ext)
+
+
 def test_grid_coords_interpolate_keeps_extent():
     fine = vitpe.grid_coords(32, ref_grid=16)
     # Same extent as the reference grid: patch edges at -0.5 and 15.5 reference patches.

@@ -248,7 +248,7 @@ def test_content_keep_is_a_forward_given_those_tokens_in_training_and_evaluation
         vitpe.VisionTransformer(content_keep=1.5, **kw)
 
 
-@pytest.mark.parametrize("mode", ["interpolate", "extrapolate", "normalize"])
+@pytest.mark.parametrize("mode", ["interpolate", "extrapolate", "normalize", "extend"])
 @pytest.mark.parametrize("pe", ["fire", "cpb", "rel_bias", "lookhere"])
 def test_per_image_lattices_give_the_every_pair_bias(pe, mode, monkeypatch):
     # Augmented (and token-dropped) images are each still a lattice: the bias families evaluate their function at each

@@ -36,6 +36,7 @@ CHEAP = [
     "python eval.py runs/A runs/B --resolutions 16 24 32 48 64",
     "python eval.py runs/A --resolutions 32x48 64x32 --coord-mode both",
     "python eval.py runs/A --resolutions 32 64 --coord-mode extrapolate --rope-scaling yarn",
+    "python eval.py runs/A --resolutions 16x64 64x16 --coord-mode extend --rope-scaling yarn",
     "python -m vitpe.viz matrix --pe sincos2d --grid 16 --dim 128",
     "python -m vitpe.viz similarity --pe rope_mixed --grid 16 --query 8 8",
     "python -m vitpe.viz similarity --checkpoint runs/A --grid 16",
@@ -72,7 +73,7 @@ def test_readme_cheap_shell_commands_run_exactly_as_written(tmp_path):
     for cmd in CHEAP:
         run(cmd)
     labels = {r["label"] for p in (tmp_path / "runs" / "A").glob("eval-*/results.json") for r in json.loads(p.read_text())}
-    assert "sincos2d+rope_axial (extrapolate) [rope yarn]" in labels and len(list((tmp_path / "runs").iterdir())) == 3  # A, B, torchrun's
+    assert {"sincos2d+rope_axial (extrapolate) [rope yarn]", "sincos2d+rope_axial (extend) [rope yarn]"} <= labels and len(list((tmp_path / "runs").iterdir())) == 3  # A, B, torchrun's
 
 
 def test_which_pe_table_is_the_study_record():

@@ -210,9 +210,22 @@ def test_controls_are_exactly_the_identity_within_the_trained_extent(name, metho
     plain = vitpe.build_pos_embed(name, dim=64, num_heads=2, ref_grid=(8, 8), depth=2)
     scaled = vitpe.build_pos_embed(name, dim=64, num_heads=2, ref_grid=(8, 8), depth=2, scaling=method)
     scaled.load_state_dict(plain.state_dict())
-    for size, mode in [((8, 8), "extrapolate"), ((16, 16), "interpolate"), ((16, 24), "normalize")]:
+    for size, mode in [((8, 8), "extrapolate"), ((16, 16), "interpolate"), ((16, 24), "normalize"), ((6, 8), "extend")]:
         grid = vitpe.PatchGrid.create(size, (8, 8), mode)
         assert torch.equal(plain.rope_angles(grid), scaled.rope_angles(grid)) and scaled.rope_magnitude(grid) is None
+
+
+@pytest.mark.parametrize("method", ["ntk", "yarn"])
+def test_extend_mode_scales_only_the_axes_longer_than_trained(method):
+    # 6 x 16 against 8 x 8: x spans twice the trained extent, extrapolated, and takes the control; y is shorter and
+    # interpolated, so it keeps its trained frequencies. Axial RoPE gives each pair one axis: compare pair by pair.
+    pe, extend = angles_at("rope_axial", (6, 16), "extend", scaling=method)
+    _, extrapolated = angles_at("rope_axial", (6, 16), "extrapolate", scaling=method)
+    _, interpolated = angles_at("rope_axial", (6, 16), "interpolate")
+    x = pe.freqs[0] != 0
+    torch.testing.assert_close(extend[:, x], extrapolated[:, x])
+    torch.testing.assert_close(extend[:, ~x], interpolated[:, ~x])
+    assert not torch.allclose(extend[:, x], angles_at("rope_axial", (6, 16), "extend")[1][:, x])  # the control acted
 
 
 def test_pi_equals_interpolate_mode_up_to_a_constant_phase():

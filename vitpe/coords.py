@@ -17,8 +17,8 @@ from torch import Tensor
 __all__ = ["COORD_MODES", "grid_coords", "grid_cells", "cell_coords", "random_keep", "content_tokens", "PatchGrid", "TokenGrid", "CoordAugment",
            "to_2tuple", "snap", "patch_units"]
 
-COORD_MODES = ("interpolate", "extrapolate", "normalize")
-CoordMode = Literal["interpolate", "extrapolate", "normalize"]
+COORD_MODES = ("interpolate", "extrapolate", "normalize", "extend")
+CoordMode = Literal["interpolate", "extrapolate", "normalize", "extend"]
 Size2 = Union[int, Sequence[int]]
 
 
@@ -45,6 +45,8 @@ def _spacing(n: int, ref: int, mode: str) -> float:
     """Distance between neighbouring patch centres of an ``n``-patch axis, in reference patches (see :func:`cell_coords`)."""
     if mode not in COORD_MODES:
         raise ValueError(f"unknown coord mode {mode!r}; expected one of {COORD_MODES}")
+    if mode == "extend":
+        mode = "extrapolate" if n > ref else "interpolate"
     return ref / n if mode == "interpolate" else 2.0 / n if mode == "normalize" else 1.0
 
 
@@ -63,7 +65,10 @@ def grid_coords(
     trained range (as RoPE-ViT, Heo et al. 2024, evaluates). Both give the integer grid at the reference
     size. ``mode="normalize"``: ``x_j = 2 (j + 0.5) / w - 1`` -- patch centres in the fixed box ``[-1, 1]``
     whatever the size (DINOv3, Simeoni et al. 2025, "separate" normalisation; NaViT's and CAPE's frame), so a
-    larger image is a denser grid in the same range. ``ref_grid=None`` means the grid is its own reference.
+    larger image is a denser grid in the same range. ``mode="extend"``: per axis, extrapolate where the grid has more
+    patches than the reference and interpolate where it has fewer, so no axis spans less than the trained extent
+    (extrapolated, a narrower image is a narrower object to the model: docs/resolution_transfer.md, finding 7).
+    ``ref_grid=None`` means the grid is its own reference.
     """
     h, w = to_2tuple(grid_size, "grid_size")
     ref = (h, w) if ref_grid is None else to_2tuple(ref_grid, "ref_grid")
@@ -112,13 +117,16 @@ def cell_coords(cells: Tensor, sizes: Tensor, ref: Size2, mode: CoordMode = "int
     leading shape, broadcasting: a packed row mixes images of different sizes); ``ref`` ``(h, w)``. Returns ``(..., 2)``
     ``(x, y)`` (computed in float64, returned as ``dtype``): ``(c + 0.5) * ref / n - 0.5`` per axis in interpolate mode (the half-pixel convention of
     ``F.interpolate(align_corners=False)``: ``n`` patches span the reference extent), ``c`` in extrapolate mode,
-    ``2 (c + 0.5) / n - 1`` in normalize mode (DINOv3's box ``[-1, 1]``, independent of the reference grid).
+    ``2 (c + 0.5) / n - 1`` in normalize mode (DINOv3's box ``[-1, 1]``, independent of the reference grid), and per
+    axis ``c`` where ``n`` exceeds the reference, the interpolate formula elsewhere, in extend mode.
     """
     rh, rw = to_2tuple(ref, "ref_grid")
     c, n = cells.to(torch.float64), sizes.to(torch.float64)
-    if mode == "interpolate":
-        scale = torch.tensor([rw, rh], device=c.device, dtype=torch.float64) / n
-        return (c * scale + (0.5 * scale - 0.5)).to(dtype)
+    if mode in ("interpolate", "extend"):
+        ref_wh = torch.tensor([rw, rh], device=c.device, dtype=torch.float64)
+        scale = ref_wh / n
+        out = c * scale + (0.5 * scale - 0.5)
+        return (out if mode == "interpolate" else torch.where(n > ref_wh, c, out)).to(dtype)
     if mode == "extrapolate":
         return c.to(dtype)
     if mode == "normalize":
@@ -180,7 +188,8 @@ class PatchGrid:
 
     def extent(self) -> Tensor:
         """``(2,)`` ``(w, h)`` the image spans in coordinate units (patches times spacing, augmentation's scale
-        included): the reference extent in interpolate mode, the grid's own in extrapolate mode, 2 in normalize mode.
+        included): the reference extent in interpolate mode, the grid's own in extrapolate mode, 2 in normalize mode,
+        per axis the larger of the two in extend mode.
         The normaliser of FIRE, and the length ratio that RoPE's extrapolation controls read. Coordinates given
         directly (no mode) span ``(n - 1)`` spacings of an ``n``-patch axis, so their extent is ``span * n / (n - 1)``."""
         if self.mode is None:
@@ -222,7 +231,8 @@ def _extent(sizes: Tensor, ref: Tuple[int, int], mode: Optional[str], scale: Opt
                          "PatchGrid.create or a TokenGrid with cells and sizes")
     n = sizes.to(torch.float32)
     ref_wh = torch.tensor([ref[1], ref[0]], device=n.device, dtype=torch.float32)
-    out = {"interpolate": ref_wh.expand_as(n), "extrapolate": n, "normalize": torch.full_like(n, 2.0)}[mode]
+    out = {"interpolate": ref_wh.expand_as(n), "extrapolate": n, "normalize": torch.full_like(n, 2.0),
+           "extend": torch.maximum(n, ref_wh)}[mode]
     return out if scale is None else out * scale.to(out)
 
 

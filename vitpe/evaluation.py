@@ -92,11 +92,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--data-dir", help="dataset directory (default: each run's own, else ./data)")
     p.add_argument("--test-size", type=positive_int, help="evaluate on the first N test images")
     p.add_argument("--coord-mode", choices=["checkpoint", *COORD_MODES, "both", "all"], default="checkpoint",
-                   help="patch coordinates at new resolutions (default: what each run was trained with; both: "
-                        "interpolate and extrapolate; all: every mode)")
+                   help="patch coordinates at new resolutions (default: what each run was trained with; extend: "
+                        "extrapolate the axes longer than trained, interpolate the others; both: interpolate and "
+                        "extrapolate; all: every mode)")
     p.add_argument("--rope-scaling", choices=ROPE_SCALINGS,
                    help="RoPE extrapolation at new resolutions for rotary encodings (default: as trained): pi, ntk, yarn; "
-                        "they act where extrapolate-mode coordinates go beyond the trained extent")
+                        "they act where extrapolate- or extend-mode coordinates go beyond the trained extent")
     p.add_argument("--p-rope", type=float, metavar="FRACTION",
                    help="leave this fraction of each head's lowest RoPE frequencies unrotated (p-RoPE; default: as trained)")
     p.add_argument("--lookhere-slope", type=positive_float, metavar="SLOPE",

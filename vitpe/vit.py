@@ -247,7 +247,8 @@ class VisionTransformer(nn.Module):
 
     ``img_size`` fixes the *reference grid* (``img_size // patch_size``) in whose units coordinates are
     measured; inputs of other sizes get a new grid and new coordinates (``coord_mode``: ``"interpolate"``
-    keeps the reference extent, ``"extrapolate"`` extends it, ``"normalize"`` puts centres in [-1, 1]). ``pos_embed`` is a registry name or a
+    keeps the reference extent, ``"extrapolate"`` extends it, ``"normalize"`` puts centres in [-1, 1], ``"extend"``
+    extrapolates the axes longer than trained and interpolates the others). ``pos_embed`` is a registry name or a
     '+'-combination (``vitpe.list_pos_embeds()``), ``pos_embed_kwargs`` its options. ``coord_aug``
     (``{"shift": .., "rescale": .., "jitter": ..}``, see :class:`CoordAugment`) perturbs the coordinates
     in training mode only. ``forward(x, patch_size=p)`` runs with a FlexiViT-resized patch embedding.
@@ -272,7 +273,7 @@ class VisionTransformer(nn.Module):
         class_token: bool = True,
         num_reg_tokens: int = 0,
         pool: Literal["cls", "mean"] = "cls",
-        coord_mode: Literal["interpolate", "extrapolate", "normalize"] = "interpolate",
+        coord_mode: Literal["interpolate", "extrapolate", "normalize", "extend"] = "interpolate",
         coord_aug: Optional[Dict[str, float]] = None,
         qkv_bias: bool = True,
         drop_rate: float = 0.0,

@@ -29,9 +29,12 @@ __all__ = ["RotaryPosEmbed", "RopeAxial", "RopeMixed", "RopeGolden", "RopeString
 
 def length_ratio(pe: PosEmbed, grid: PatchGrid) -> Optional[Tensor]:
     """Per-axis ratio ``(w, h)`` of ``grid``'s extent to the trained (reference) extent, ``(2,)`` or per token
-    ``(B, N, 2)``; ``None`` where it is 1 everywhere (interpolate and normalize modes keep the extent, as does the
-    reference grid). Augmentation's rescaling is not a longer image and is left out."""
-    if grid.mode != "extrapolate" or (not grid.batched and grid.size == pe.ref_grid):
+    ``(B, N, 2)``; ``None`` where no axis is longer than trained (interpolate and normalize modes keep the extent; a
+    grid no larger than the reference on either axis has nothing to extrapolate). Augmentation's rescaling is not a
+    longer image and is left out. A ratio below 1 (a shorter axis, interpolated in extend mode) counts as 1
+    (``rope_freq_scale`` clamps it)."""
+    if grid.mode not in ("extrapolate", "extend") or (
+            not grid.batched and grid.size[0] <= pe.ref_grid[0] and grid.size[1] <= pe.ref_grid[1]):
         return None
     ref = _extent(torch.tensor([pe.ref_grid[1], pe.ref_grid[0]]), pe.ref_grid, grid.mode)
     if grid.batched:
