@@ -231,18 +231,19 @@ def test_cifar_corrupt_and_missing(tmp_path):
 
 
 # ---- imagefolder -----------------------------------------------------------------------------------
-def write_images(folder: Path, classes=("cat", "dog"), per_class=6, size=(20, 30)):
+def write_images(folder: Path, classes=("cat", "dog"), per_class=6, size=(20, 30), first=0):
+    """``per_class`` different images per class (image j has a white row j + first), none the same as another."""
     for i, c in enumerate(classes):
         (folder / c).mkdir(parents=True)
-        for j in range(per_class):
+        for j in range(first, first + per_class):
             arr = np.full((*size, 3), 40 + 150 * i, dtype=np.uint8)
-            arr[j % size[0]] = 255
+            arr[j % size[0], : size[1] - j // size[0]] = 255
             Image.fromarray(arr).save(folder / c / f"{j}.png")
 
 
 def test_imagefolder_with_and_without_split(tmp_path):
     write_images(tmp_path / "a" / "train")
-    write_images(tmp_path / "a" / "val", per_class=2)
+    write_images(tmp_path / "a" / "val", per_class=2, first=6)
     ds = load_dataset(f"imagefolder:{tmp_path / 'a'}", image_size=(16, 16))
     (x, y), (xt, _) = ds.split(True), ds.split(False)
     assert x.shape == (12, 3, 16, 16) and xt.shape == (4, 3, 16, 16) and ds.classes == ("cat", "dog")

@@ -223,10 +223,11 @@ def test_a_flipped_byte_in_the_weights_is_caught(base, tmp_path):
 # ---- 7. 16-bit images ----------------------------------------------------------------------------------
 def test_16_bit_grayscale_pngs_are_scaled_not_clipped(tmp_path):
     ramp = np.linspace(0, 65535, 32 * 32).reshape(32, 32).astype(np.uint16)
+    pictures = {"train": (ramp, ramp[::-1]), "test": (ramp.T, ramp.T[::-1])}  # four different pictures: no copies to drop
     for split in ("train", "test"):
-        for c in ("a", "b"):
+        for c, picture in zip(("a", "b"), pictures[split]):
             (tmp_path / split / c).mkdir(parents=True)
-            Image.fromarray(ramp).save(tmp_path / split / c / "x.png")  # a 16-bit PNG
+            Image.fromarray(np.ascontiguousarray(picture)).save(tmp_path / split / c / "x.png")  # a 16-bit PNG
     assert Image.open(tmp_path / "train" / "a" / "x.png").mode.startswith("I")
     ds = load_dataset(f"imagefolder:{tmp_path}", image_size=(32, 32))
     x = ds.split(True, (32, 32))[0][0, 0].float()
@@ -354,8 +355,9 @@ def test_other_bad_inputs_are_one_clear_line(base, tmp_path, monkeypatch, capsys
         train_script.main(["--config", str(bad_yaml)])
     big = tmp_path / "big"
     for split in ("train", "test"):
-        (big / split / "a").mkdir(parents=True)
-        Image.new("RGB", (64, 64)).save(big / split / "a" / "huge.png")
+        for c in ("a", "b"):
+            (big / split / c).mkdir(parents=True)
+            Image.new("RGB", (64, 64)).save(big / split / c / "huge.png")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
     with pytest.raises(DataError, match=r"huge\.png is too large to decode safely"):
         load_dataset(f"imagefolder:{big}")

@@ -6,7 +6,7 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, Iterator, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -16,7 +16,7 @@ from .vit import VisionTransformer
 
 __all__ = [
     "CheckpointError", "FORMAT", "save_checkpoint", "load_checkpoint", "find_checkpoint", "model_from_checkpoint",
-    "state_checksum", "non_finite", "checkpoint_config",
+    "state_checksum", "non_finite", "checkpoint_config", "check_classes",
 ]
 
 FORMAT = "vitpe-checkpoint-v1"
@@ -159,3 +159,34 @@ def model_from_checkpoint(
     weights = state["ema"] if ema and state.get("ema") is not None else state["model"]
     load_model_state(model, weights, str(path))
     return model.eval(), state
+
+
+def class_mismatch(trained: List[str], given: List[str]) -> Optional[str]:
+    """How the class names ``given`` differ from those a model was ``trained`` on (the order is the head's rows), in a few
+    words; None when they are the same."""
+    if list(trained) == list(given):
+        return None
+    gone, new = [c for c in trained if c not in given], [c for c in given if c not in trained]
+    if not gone and not new:
+        return f"the same {len(trained)} names in another order ({', '.join(given[:4])}{', ...' if len(given) > 4 else ''})"
+    show = lambda names: ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")  # noqa: E731
+    parts = ([f"{show(gone)} no longer there"] if gone else []) + ([f"{show(new)} new"] if new else [])
+    return "; ".join(parts)
+
+
+def check_classes(state: Dict[str, Any], ds, source: str, fix: str) -> List[str]:
+    """Refuse a dataset whose class names are not those the checkpoint's head was trained on (:class:`CheckpointError`
+    naming the difference, then ``fix``); checkpoints record their classes by name. Returns notes: the training images
+    changed since the checkpoint (an image folder's fingerprint), or the checkpoint predates class names."""
+    data = state.get("data") or {}
+    trained = data.get("classes")
+    if trained is None:
+        return [f"{source} records no class names (written by an older vitpe): only the class count ({ds.num_classes}) could be checked"]
+    diff = class_mismatch(trained, list(ds.classes))
+    if diff:
+        raise CheckpointError(f"{source} was trained on classes {', '.join(trained[:6])}{', ...' if len(trained) > 6 else ''} "
+                              f"but {ds.name} has other classes ({diff}): each output of the model means one of its own classes; {fix}")
+    old, new = data.get("fingerprint"), getattr(ds, "fingerprint", None)
+    if old and new and old != new:
+        return [f"the training images of {ds.name} changed since {source} was written (same classes, other images)"]
+    return []

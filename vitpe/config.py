@@ -161,7 +161,32 @@ def _build(cls: type, data: Dict[str, Any], where: str) -> Any:
     return cls(**kwargs)
 
 
+MAX_CONFIG_VALUES = 100_000  # far beyond any real config; YAML aliases can make a few lines stand for billions
+
+
+def _expanded_size(node: Any, memo: Dict[int, int]) -> int:
+    """How many values ``node`` holds once every shared (aliased) part is copied out, as ``dataclasses.asdict`` and
+    ``yaml.safe_dump`` would; counted once per distinct object, so an alias bomb is measured without being expanded."""
+    if not isinstance(node, (dict, list, tuple)):
+        return 1
+    key = id(node)
+    if key not in memo:
+        memo[key] = MAX_CONFIG_VALUES + 1  # a cycle (an alias of an enclosing node) never ends: too large
+        children = list(node.values()) + list(node.keys()) if isinstance(node, dict) else list(node)
+        total = 1
+        for child in children:
+            total += _expanded_size(child, memo)
+            if total > MAX_CONFIG_VALUES:
+                break
+        memo[key] = total
+    return memo[key]
+
+
 def config_from_dict(data: Dict[str, Any]) -> Config:
+    size = _expanded_size(data, {})
+    if size > MAX_CONFIG_VALUES:
+        raise ConfigError(f"the config holds more than {MAX_CONFIG_VALUES:,} values once its YAML aliases (&name / *name) are "
+                          "expanded; write the values out, without nested aliases")
     cfg = _build(Config, data, "")
     _validate(cfg)
     return cfg

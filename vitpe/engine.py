@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .data.augment import normalize, tta_views
 
-__all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "Scores", "evaluate", "evaluate_native"]
+__all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "Scores", "evaluate", "evaluate_native", "memory_available", "attention_bytes"]
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -40,6 +40,29 @@ def amp_dtype(amp: str, device: torch.device) -> Optional[torch.dtype]:
 
 def autocast(device: torch.device, dtype: Optional[torch.dtype]):
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def memory_available(device: torch.device) -> int:
+    """Bytes a new computation on ``device`` can take: free GPU memory, or the system's available memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):  # not Linux: what the machine has in all
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def attention_bytes(model: nn.Module, size: Sequence[int], patch_size: Optional[int] = None) -> int:
+    """Bytes one image of ``size = (h, w)`` holds at once in a vitpe ViT's attention, as a bound: every head's
+    query-key scores, their softmax and one more of their size in float32 (what a layer holds where attention is not
+    fused, as on CPU with a bias or for the attention diagnostics). It grows with the 4th power of the side."""
+    p = patch_size or model.patch_size
+    tokens = (size[0] // p) * (size[1] // p) + model.num_prefix_tokens
+    return 3 * 4 * model.blocks[0].attn.num_heads * tokens * tokens
 
 
 def seed_step(*parts: int) -> None:

@@ -20,18 +20,20 @@ import json
 import math
 import shutil
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from vitpe.checkpoint import checkpoint_config, model_from_checkpoint
+from vitpe.checkpoint import check_classes, checkpoint_config, model_from_checkpoint
 from vitpe.config import Config, ConfigError
 from vitpe.coords import COORD_MODES, snap
 from vitpe.data import load_dataset
 from vitpe.data.augment import TTA_MODES, normalize
-from vitpe.engine import amp_dtype, autocast, evaluate, evaluate_native, resolve_device
+from vitpe.engine import amp_dtype, attention_bytes, autocast, evaluate, evaluate_native, memory_available, resolve_device
 from vitpe.errors import run_cli
 from vitpe.pos_embed import set_lookhere_slope, set_rope_extrapolation
 from vitpe.pos_embed.functional import ROPE_SCALINGS
@@ -146,7 +148,8 @@ def dataset_of(config: Config, name: Optional[str] = None, data_dir: Optional[st
 
 
 def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], device: torch.device, dtype: Optional[torch.dtype] = None,
-                batch_size: int = 256, desc: str = "", tta: str = "none", diagnostics: int = 0) -> Iterator[Dict]:
+                batch_size: Union[int, Dict[Tuple[int, int], int]] = 256, desc: str = "", tta: str = "none",
+                diagnostics: int = 0) -> Iterator[Dict]:
     """``model`` on ``ds``'s test split for each ``(coord_mode, route, (h, w))`` of ``plan``: route ``"coords"`` meets
     the size with new coordinates on a new token grid, ``"patch"`` with FlexiViT's resized patch embedding on the
     trained grid, ``"native"`` gives every image its own aspect ratio at the area of ``h x w``, packed. Yields one row
@@ -154,21 +157,23 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
     with, images/s of the evaluation itself and seconds in all (with loading and resizing). ``tta``: test-time
     augmentation (not for the native route, whose packed rows hold images of different sizes). ``diagnostics=N``: also
     each layer's attention distance (pixels) and entropy (nats, and over log(keys)), mean over heads, on the first N
-    test images (:func:`vitpe.viz.attention_stats`; not for the native route)."""
+    test images (:func:`vitpe.viz.attention_stats`; not for the native route). ``batch_size``: images per batch, or per
+    size ``(h, w)`` (what :func:`memory_plan` allows)."""
     ref_h = model.ref_grid[0]
     for mode, route, (h, w) in plan:
+        bs = batch_size[(h, w)] if isinstance(batch_size, dict) else batch_size
         model.coord_mode = mode
         t0 = time.time()
         extra: Dict = {}
         if route == "native":
-            res = evaluate_native(model, ds, h, batch_size, device, dtype, progress=True, desc=f"{desc} @ native")
+            res = evaluate_native(model, ds, h, bs, device, dtype, progress=True, desc=f"{desc} @ native")
             seconds = time.time() - t0
             res["tokens_per_image"] = round(res["tokens_per_image"], 2)
         else:
-            images, labels = ds.split(False, (h, w))
+            images, labels = ds.split_at(False, (h, w))  # a large size's split is made batch by batch
             patch = h // ref_h if route == "patch" else None
             t1 = time.time()
-            res = evaluate(model, images, labels, ds.mean, ds.std, batch_size, device, dtype, progress=True,
+            res = evaluate(model, images, labels, ds.mean, ds.std, bs, device, dtype, progress=True,
                            desc=f"{desc} @ {h}x{w}", patch_size=patch, tta=tta)
             seconds = time.time() - t1
             sample = normalize(images[: max(diagnostics, 1)].to(device), ds.mean, ds.std)
@@ -288,67 +293,26 @@ def plot_attention(rows: List[Dict], path: Path, title: str) -> None:
     pyplot().close(fig)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
-    device = resolve_device(args.device)
-    rows: List[Dict] = []
-    datasets: Dict[Tuple, object] = {}
-    for ckpt in args.checkpoints:
-        model, state = model_from_checkpoint(ckpt, map_location="cpu", ema=not args.no_ema, verify=not args.no_verify)
-        model.to(device)
-        cfg = checkpoint_config(state)
-        patch, train_size = model.patch_size, cfg.model.img_size
-        resolutions = args.resolutions or default_resolutions(train_size, patch)
-        routes = ["coords", "patch"] if args.route == "both" else [args.route]
-        ref_h, ref_w = model.ref_grid
-        patch_fits = lambda h, w: h % ref_h == 0 and w % ref_w == 0 and h // ref_h == w // ref_w  # noqa: E731
-        for h, w in resolutions:
-            if "coords" in routes and (h % patch or w % patch):
-                raise ConfigError(f"resolution {h}x{w} is not a multiple of the patch size {patch} of {ckpt}; "
-                                  f"use multiples of {patch}, e.g. {snap(h, patch)}")
-            if "patch" in routes and args.resolutions and not patch_fits(h, w):  # the default sizes: the route takes those it can
-                raise ConfigError(f"--route patch keeps the {ref_h}x{ref_w} token grid, so resolution {h}x{w} must be k*{ref_h} x k*{ref_w}")
-        key = data_args(cfg, args.data, args.data_dir, args.test_size)
-        if key not in datasets:
-            datasets[key] = load_dataset(*key)
-        ds, name = datasets[key], key[0]
-        if args.native and model.content_keep < 1:
-            raise ConfigError(f"{ckpt} keeps each image's {model.content_keep:g} most contentful patches, which --native's packed "
-                              "batches cannot select; evaluate it without --native")
-        if args.tta in ("flip", "flip_shift") and not ds.flip_ok:
-            raise ConfigError(f"{name}'s labels change under a mirror image, so --tta {args.tta} would mix classes; use --tta shift")
-        if ds.num_classes != model.num_classes or ds.in_chans != model.in_chans:
-            raise ConfigError(f"{ckpt} was trained for {model.num_classes} classes / {model.in_chans} channels, but {name} has "
-                              f"{ds.num_classes} / {ds.in_chans}; evaluate it on its own dataset ({cfg.data.name})")
-        modes = {"checkpoint": [cfg.model.coord_mode], "both": ["interpolate", "extrapolate"], "all": list(COORD_MODES)}.get(args.coord_mode, [args.coord_mode])
-        controls = " (raw weights)" if args.no_ema and state.get("ema") is not None else ""
-        controls += f" [tta {args.tta}]" if args.tta != "none" else ""
-        try:  # the test-time controls: a model without the encoding they act on is refused in one line
-            if args.rope_scaling is not None or args.p_rope is not None:
-                set_rope_extrapolation(model, args.rope_scaling, args.p_rope)
-                controls += "".join(f" [{k} {v}]" for k, v in (("rope", args.rope_scaling), ("p-rope", args.p_rope)) if v is not None)
-            if args.lookhere_slope is not None:
-                set_lookhere_slope(model, args.lookhere_slope)
-                controls += f" [lookhere slope {args.lookhere_slope:g}]"
-        except ValueError as e:
-            raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
-        dtype = amp_dtype(cfg.train.amp, device)
-        variants = [(m, r) for r in routes for m in (modes if r == "coords" else modes[:1])]  # patch route: the trained grid
-        for mode, route in variants:
-            label = cfg.model.pos_embed + (f" ({mode})" if len(modes) > 1 or args.coord_mode != "checkpoint" else "") + controls
-            label += " (patch resize)" if route == "patch" else ""
-            if any(r["label"] == label and r["run"] != str(ckpt) for r in rows):
-                label = f"{label} [{Path(ckpt).name}]"
-            sizes = [hw for hw in resolutions if route == "coords" or patch_fits(*hw)]
-            plan = [(mode, route, hw) for hw in sizes] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
-            for row in evaluate_at(model, ds, plan, device, dtype, args.batch_size, label, args.tta, args.diagnostics):
-                rows.append({"run": str(ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": name,
-                             "rope_scaling": args.rope_scaling, "p_rope": args.p_rope, "lookhere_slope": args.lookhere_slope, "chance": 1 / ds.num_classes,
-                             "weights": "ema" if state.get("ema") is not None and not args.no_ema else "raw",
-                             "train_size": train_size, "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
-                if not sys.stdout.isatty():  # a log (nohup, a cluster job): a line per result, not silence until the table
-                    print(f"{label} @ {row['resolution']}: top-1 {100 * row['top1']:.2f}% ({row['seconds']:.0f}s)", flush=True)
+@dataclass
+class RunPlan:
+    """One checkpoint of an evaluation, everything about it checked before any evaluation starts."""
 
+    ckpt: str
+    model: torch.nn.Module
+    state: Dict
+    cfg: Config
+    ds: object
+    data: str
+    modes: List[str]
+    routes: List[str]
+    resolutions: List[Tuple[int, int]]
+    controls: str
+    batch: Dict[Tuple[int, int], int]  # images per batch at each size: memory bounds it
+
+
+def output_dir(args: argparse.Namespace) -> Tuple[Path, bool]:
+    """Where results go, made and checked writable before any evaluation (a sweep is never lost to a bad --out);
+    returns it and whether it was made here."""
     first = Path(args.checkpoints[0])
     out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
     if not args.out:  # two evaluations within one second: the second gets its own directory
@@ -358,17 +322,158 @@ def main(argv: Optional[List[str]] = None) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"output {out} exists and is not an empty directory; choose another --out")
     made = not out.exists()
-    summary = sweep_summary(rows)
-    out.mkdir(parents=True, exist_ok=True)
     try:
-        (out / "results.json").write_text(json.dumps(rows, indent=2))
-        write_csv(rows, out / "results.csv")  # per-class and per-layer lists stay in the JSON
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        write_csv(summary, out / "summary.csv")
-        data = ", ".join(sorted({r["data"] for r in rows}))
-        plot(rows, out / "accuracy_vs_resolution.png", f"top-1 against resolution ({data})")
-        if any(r.get("attn_distance") for r in rows):
-            plot_attention(rows, out / "attention_vs_resolution.png", f"attention against resolution ({data}, {args.diagnostics} test images)")
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        if made and out.is_dir():
+            out.rmdir()
+        raise ConfigError(f"cannot write results to {out} ({e.strerror or e}); choose another --out") from None
+    return out, made
+
+
+def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets: Dict[Tuple, object]) -> RunPlan:
+    """Load ``ckpt`` and its data, and check everything the evaluation will ask of it: sizes, routes, controls, the
+    class names, and the memory each size needs (refused up front where one image cannot fit)."""
+    model, state = model_from_checkpoint(ckpt, map_location="cpu", ema=not args.no_ema, verify=not args.no_verify)
+    model.to(device)
+    cfg = checkpoint_config(state)
+    patch, train_size = model.patch_size, cfg.model.img_size
+    resolutions = args.resolutions or default_resolutions(train_size, patch)
+    routes = ["coords", "patch"] if args.route == "both" else [args.route]
+    ref_h, ref_w = model.ref_grid
+    for h, w in resolutions:
+        if "coords" in routes and (h % patch or w % patch):
+            raise ConfigError(f"resolution {h}x{w} is not a multiple of the patch size {patch} of {ckpt}; "
+                              f"use multiples of {patch}, e.g. {snap(h, patch)}")
+        if "patch" in routes and args.resolutions and not patch_fits(model, h, w):  # the default sizes: the route takes those it can
+            raise ConfigError(f"--route patch keeps the {ref_h}x{ref_w} token grid, so resolution {h}x{w} must be k*{ref_h} x k*{ref_w}")
+    key = data_args(cfg, args.data, args.data_dir, args.test_size)
+    if key not in datasets:
+        datasets[key] = load_dataset(*key)
+        for line in datasets[key].notes:
+            print(f"note: {line}", file=sys.stderr)
+    ds, name = datasets[key], key[0]
+    if args.native and model.content_keep < 1:
+        raise ConfigError(f"{ckpt} keeps each image's {model.content_keep:g} most contentful patches, which --native's packed "
+                          "batches cannot select; evaluate it without --native")
+    if args.tta in ("flip", "flip_shift") and not ds.flip_ok:
+        raise ConfigError(f"{name}'s labels change under a mirror image, so --tta {args.tta} would mix classes; use --tta shift")
+    if ds.in_chans != model.in_chans:
+        raise ConfigError(f"{ckpt} was trained on {model.in_chans}-channel images, but {name} has {ds.in_chans}; evaluate it on "
+                          f"its own dataset ({cfg.data.name})")
+    for line in check_classes(state, ds, str(ckpt), f"evaluate it on data with those classes (its own: {cfg.data.name})"):
+        print(f"note: {line}", file=sys.stderr)
+    modes = {"checkpoint": [cfg.model.coord_mode], "both": ["interpolate", "extrapolate"], "all": list(COORD_MODES)}.get(args.coord_mode, [args.coord_mode])
+    controls = " (raw weights)" if args.no_ema and state.get("ema") is not None else ""
+    controls += f" [tta {args.tta}]" if args.tta != "none" else ""
+    try:  # the test-time controls: a model without the encoding they act on is refused in one line
+        if args.rope_scaling is not None or args.p_rope is not None:
+            set_rope_extrapolation(model, args.rope_scaling, args.p_rope)
+            controls += "".join(f" [{k} {v}]" for k, v in (("rope", args.rope_scaling), ("p-rope", args.p_rope)) if v is not None)
+        if args.lookhere_slope is not None:
+            set_lookhere_slope(model, args.lookhere_slope)
+            controls += f" [lookhere slope {args.lookhere_slope:g}]"
+    except ValueError as e:
+        raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
+    return RunPlan(ckpt, model, state, cfg, ds, name, modes, routes, resolutions, controls,
+                   memory_plan(model, [(hw, None) for hw in resolutions if "coords" in routes] + [(hw, hw[0] // ref_h) for hw in resolutions
+                                       if "patch" in routes and patch_fits(model, *hw)] + [((train_size,) * 2, None)], args.batch_size, device, str(ckpt)))
+
+
+def memory_plan(model, sizes: List[Tuple[Tuple[int, int], Optional[int]]], batch_size: int, device: torch.device,
+                source: str) -> Dict[Tuple[int, int], int]:
+    """Images per batch at each size ``(h, w)`` of ``sizes`` (each with the patch size it runs at, None: the model's), so
+    that a batch's attention (:func:`vitpe.engine.attention_bytes`) takes at most half the memory available now; a size
+    where one image cannot fit is refused here, before anything runs, with what it needs and the largest square size
+    that fits. Sizes whose batch had to shrink are said in one line."""
+    budget = memory_available(device) // 2
+    out: Dict[Tuple[int, int], int] = {}
+    shrunk = []
+    for hw, patch in sorted(dict.fromkeys(sizes), key=lambda s: s[1] or 0):  # the model's own patch (most tokens) first
+        need = attention_bytes(model, hw, patch)
+        if hw in out:
+            continue
+        if need > budget:
+            side = model.patch_size * int(((budget / (12 * model.blocks[0].attn.num_heads)) ** 0.5 - model.num_prefix_tokens) ** 0.5 // 1)
+            raise ConfigError(f"resolution {hw[0]}x{hw[1]} needs about {need / 2**30:.1f} GiB for one image's attention in {source} "
+                              f"({(hw[0] // model.patch_size) * (hw[1] // model.patch_size):,} tokens; it grows with the 4th power of the "
+                              f"side) and {device} has {2 * budget / 2**30:.1f} GiB available; evaluate at sizes up to about {side}x{side}")
+        out[hw] = max(1, min(batch_size, budget // need))
+        if out[hw] < batch_size:
+            shrunk.append(f"{hw[0]}x{hw[1]}: {out[hw]} ({need / 2**20:,.0f} MiB each)")
+    if shrunk:
+        print(f"note: {source}: images per batch lowered to fit memory at {'; '.join(shrunk)}", file=sys.stderr)
+    return out
+
+
+def patch_fits(model, h: int, w: int) -> bool:
+    """Whether FlexiViT's patch route reaches ``h x w``: the trained token grid with a whole patch size."""
+    ref_h, ref_w = model.ref_grid
+    return h % ref_h == 0 and w % ref_w == 0 and h // ref_h == w // ref_w
+
+
+def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, rows: List[Dict]) -> None:
+    """Evaluate every plan, appending a row to ``rows`` as each size finishes (an interrupted sweep keeps them)."""
+    for run in plans:
+        model, cfg, ds = run.model, run.cfg, run.ds
+        train_size = cfg.model.img_size
+        dtype = amp_dtype(cfg.train.amp, device)
+        variants = [(m, r) for r in run.routes for m in (run.modes if r == "coords" else run.modes[:1])]  # patch route: the trained grid
+        for mode, route in variants:
+            label = cfg.model.pos_embed + (f" ({mode})" if len(run.modes) > 1 or args.coord_mode != "checkpoint" else "") + run.controls
+            label += " (patch resize)" if route == "patch" else ""
+            if any(r["label"] == label and r["run"] != str(run.ckpt) for r in rows):
+                label = f"{label} [{Path(run.ckpt).name}]"
+            sizes = [hw for hw in run.resolutions if route == "coords" or patch_fits(model, *hw)]
+            plan = [(mode, route, hw) for hw in sizes] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
+            for row in evaluate_at(model, ds, plan, device, dtype, run.batch, label, args.tta, args.diagnostics):
+                rows.append({"run": str(run.ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": run.data,
+                             "rope_scaling": args.rope_scaling, "p_rope": args.p_rope, "lookhere_slope": args.lookhere_slope, "chance": 1 / ds.num_classes,
+                             "weights": "ema" if run.state.get("ema") is not None and not args.no_ema else "raw",
+                             "train_size": train_size, "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
+                if not sys.stdout.isatty():  # a log (nohup, a cluster job): a line per result, not silence until the table
+                    print(f"{label} @ {row['resolution']}: top-1 {100 * row['top1']:.2f}% ({row['seconds']:.0f}s)", flush=True)
+
+
+def write_results(rows: List[Dict], out: Path, diagnostics: int) -> List[Dict]:
+    """results.json/.csv, summary.json/.csv and the plots in ``out``; returns the summary."""
+    summary = sweep_summary(rows)
+    (out / "results.json").write_text(json.dumps(rows, indent=2))
+    write_csv(rows, out / "results.csv")  # per-class and per-layer lists stay in the JSON
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_csv(summary, out / "summary.csv")
+    data = ", ".join(sorted({r["data"] for r in rows}))
+    plot(rows, out / "accuracy_vs_resolution.png", f"top-1 against resolution ({data})")
+    if any(r.get("attn_distance") for r in rows):
+        plot_attention(rows, out / "attention_vs_resolution.png", f"attention against resolution ({data}, {diagnostics} test images)")
+    return summary
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    datasets: Dict[Tuple, object] = {}
+    plans = [plan_run(ckpt, args, device, datasets) for ckpt in args.checkpoints]
+    out, made = output_dir(args)
+    rows: List[Dict] = []
+    interrupted = False
+    try:
+        sweep(plans, args, device, rows)
+    except KeyboardInterrupt:  # Ctrl-C: what finished is kept
+        interrupted = True
+    finally:
+        if not rows and made:
+            shutil.rmtree(out, ignore_errors=True)
+    if not rows:
+        print("\ninterrupted before any size finished; nothing written", file=sys.stderr)
+        return 130
+    if len({r["data"] for r in rows}) > 1:  # runs on different data share the table: each line says which
+        for r in rows:
+            r["label"] += f" on {r['data']}"
+    try:
+        summary = write_results(rows, out, args.diagnostics)
     except BaseException:  # disk full, Ctrl-C: leave no half-written results behind
         shutil.rmtree(out) if made else [p.unlink() for p in out.iterdir()]
         raise
@@ -396,7 +501,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{r['label']} @ {r['resolution']}: {r['tokens_per_image']:g} tokens, {r['images_per_s']:.0f} img/s{attn}")
     pictures = ", ".join(str(out / f) for f in ("accuracy_vs_resolution.png", "attention_vs_resolution.png") if (out / f).exists())
     print(f"\nresults: {out / 'results.json'}, {out / 'results.csv'}, {out / 'summary.json'}, {out / 'summary.csv'}\nplots:   {pictures}")
+    if interrupted:
+        print(f"interrupted: the {len(rows)} sizes that finished are in {out}", file=sys.stderr)
+        return 130
     return 0
+
 
 
 def cli(argv: Optional[List[str]] = None) -> int:

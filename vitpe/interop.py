@@ -6,7 +6,7 @@ from key names.
 """
 from __future__ import annotations
 
-import types
+import functools
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .coords import COORD_MODES, PatchGrid, Size2, to_2tuple
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
-from .vit import VisionTransformer, attend, compute_dtype, position_tokens
+from .vit import VisionTransformer, attend, compute_dtype, pin_traced_size, position_tokens
 
 __all__ = ["equip_timm_vit", "vit_from_timm", "load_timm_state_dict", "timm_to_vitpe_state_dict", "cpb_from_swinv2"]
 
@@ -69,11 +69,15 @@ class _EquippedState:
         self.pos: Optional[PosContext] = None
         self.tokens = -1
 
+    def __reduce__(self):  # the input now in flight is not part of the model: a copy or a saved model starts without it
+        return (_EquippedState, ())
+
 
 def _equipped_pos_embed(self, x: Tensor) -> Tensor:
     """Replaces timm's ``_pos_embed``, which every forward path calls (``forward_features``,
     ``forward_intermediates``, ``get_intermediate_layers``, features_only): ``(B, H, W, D)`` patch tokens ->
     ``(B, T, D)`` with the PE's tokens and prefix tokens, and the context the blocks read."""
+    x = pin_traced_size(x, (1, 2))
     b, h, w, d = x.shape
     grid = PatchGrid.create((h, w), self.vitpe_ref_grid, self.vitpe_coord_mode, device=x.device)
     pos = self.vitpe_pos_embed.context(grid, self.num_prefix_tokens, compute_dtype(x))
@@ -161,14 +165,14 @@ def equip_timm_vit(
     model.vitpe_ref_grid = ref
     model.vitpe_coord_mode = coord_mode
     model._vitpe_state = _EquippedState()
-    model._pos_embed = types.MethodType(_equipped_pos_embed, model)
+    model._pos_embed = functools.partial(_equipped_pos_embed, model)
     conditioned = pe.condition_layers()
     for i, blk in enumerate(model.blocks):
         blk.attn._vitpe_state, blk.attn._vitpe_layer = model._vitpe_state, i
-        blk.attn.forward = types.MethodType(_equipped_attention, blk.attn)
+        blk.attn.forward = functools.partial(_equipped_attention, blk.attn)
         if i in conditioned:
             blk._vitpe_state, blk._vitpe_layer = model._vitpe_state, i
-            blk.forward = types.MethodType(_equipped_block, blk)
+            blk.forward = functools.partial(_equipped_block, blk)
     return outer
 
 
@@ -262,6 +266,9 @@ def vit_from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
     from timm.layers import Mlp
 
     m = _unwrap(timm_model)
+    if hasattr(m, "vitpe_pos_embed"):
+        raise ValueError(f"this timm model already carries vitpe's {m.vitpe_pos_embed.name!r} PE (equip_timm_vit): vit_from_timm "
+                         "takes a timm model as timm builds it; convert the model before equipping it, then pass pos_embed=... here")
     eva = _is_eva(m)
     if not eva:
         _check_timm_vit(m)

@@ -19,31 +19,24 @@ import torch
 from torch import Tensor
 
 from .checkpoint import model_from_checkpoint
-from .data import DataError
 from .data.augment import normalize
+from .data.images import open_image
 from .errors import run_cli
 
 __all__ = ["read_images", "predict", "main"]
 
 
 def read_images(paths: Sequence[str], in_chans: int, size: Tuple[int, int]) -> Tensor:
-    """uint8 ``(N, in_chans, h, w)``: each file decoded, converted (RGB or grayscale) and resized bicubically to ``size``."""
-    from PIL import Image, UnidentifiedImageError
+    """uint8 ``(N, in_chans, h, w)``: each file decoded upright (:func:`vitpe.data.images.open_image`: EXIF orientation
+    applied), converted (RGB or grayscale) and resized bicubically to ``size``."""
+    from PIL import Image
     from torchvision.transforms.functional import pil_to_tensor
-
-    from .data.datasets import _to_rgb
 
     out = []
     for path in paths:
-        try:
-            with Image.open(path) as im:
-                rgb = _to_rgb(im, str(path))
-                im = rgb if in_chans == 3 else rgb.convert("L")
-                out.append(pil_to_tensor(im.resize(size[::-1], Image.BICUBIC)))
-        except FileNotFoundError:
-            raise DataError(f"image {path} does not exist") from None
-        except (UnidentifiedImageError, OSError) as e:
-            raise DataError(f"{path} is not an image vitpe can read ({type(e).__name__}); give PNG, JPEG or another format PIL opens") from None
+        rgb = open_image(path)
+        im = rgb if in_chans == 3 else rgb.convert("L")
+        out.append(pil_to_tensor(im.resize(size[::-1], Image.BICUBIC)))
     return torch.stack(out)
 
 
@@ -62,15 +55,32 @@ def parse_size(text: str) -> Tuple[int, int]:
         raise argparse.ArgumentTypeError(f"size must be N or HxW, got {text!r}") from None
 
 
+def top_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--top takes a whole number of classes, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--top must be at least 1 (the classes to show per image), got {value}")
+    return value
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vitpe.predict", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("images", nargs="+", metavar="IMAGE")
+    p.add_argument("images", nargs="*", metavar="IMAGE", help="image files (a name that starts with '-': put -- before it, or ./-name.png)")
     p.add_argument("--run", required=True, metavar="RUN_DIR_OR_CHECKPOINT", help="the trained run (runs/NAME) or its checkpoint.pt")
     p.add_argument("--size", type=parse_size, metavar="N|HxW", help="input size (default: the training size)")
-    p.add_argument("--top", type=int, default=3, help="classes to show per image (default 3)")
+    p.add_argument("--top", type=top_count, default=3, help="classes to show per image (default 3)")
     p.add_argument("--no-ema", action="store_true", help="the raw weights even if the run kept an EMA")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of the table")
-    args = p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    # A file named like an option (-dash.png) is an image all the same; anything else unknown is an error, as argparse says.
+    files = [a for a in unknown if Path(a).is_file()]
+    if len(files) < len(unknown):
+        p.error(f"unrecognized arguments: {' '.join(a for a in unknown if a not in files)} (an image whose name starts with '-': put -- before it)")
+    args.images += files
+    if not args.images:
+        p.error("give at least one image file")
     model, state = model_from_checkpoint(args.run, ema=not args.no_ema)
     data: Dict = state["data"]
     size = args.size or tuple(model.img_size)

@@ -42,6 +42,8 @@ def create_run_dir(out_dir: str | Path, name: str, fill: Optional[Callable[[Path
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise RunError(f"out_dir {out} is a file, not a directory; give --out-dir a directory")
+    if safe_name(name).strip(".") == "":  # '.', '..': the runs folder itself or its parent, never a run of its own
+        raise RunError(f"run name {name!r} names a folder that is not a run's own; choose another --name (letters, digits, . _ -)")
     run = out / safe_name(name)
     taken = RunError(f"run directory {run} already exists; continue it with --resume {run}, or pick another --name")
     out.mkdir(parents=True, exist_ok=True)

@@ -32,14 +32,14 @@ import torch
 import torch.distributed as dist
 
 from vitpe import VisionTransformer
-from vitpe.checkpoint import CHECKPOINT_NAME, CheckpointError, load_checkpoint, load_model_state, non_finite, save_checkpoint
+from vitpe.checkpoint import CHECKPOINT_NAME, CheckpointError, check_classes, load_checkpoint, load_model_state, non_finite, save_checkpoint
 from vitpe.config import Config, ConfigError, apply_overrides, config_from_dict, load_config, save_config, train_resolutions
 from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, normalize
 from vitpe.data.mixed import draw_sizes, mixed_batch
 from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, resolve_device, seed_step
 from vitpe.errors import VitpeError, run_cli
-from vitpe.runs import CONFIG_NAME, LOCK_NAME, METRICS_CSV, METRICS_JSONL, RunError, RunLock, create_run_dir, safe_name, write_metrics  # noqa: F401 (safe_name: public name)
+from vitpe.runs import CONFIG_NAME, LOCK_NAME, METRICS_CSV, METRICS_JSONL, RunError, RunLock, config_changes, create_run_dir, safe_name, write_metrics  # noqa: F401 (safe_name: public name)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shapes.yaml"  # the repository's configs/
 # Measured results of recipes, by PE (benchmarks/accuracy.py --suite main writes it): what a finished run compares itself to.
@@ -102,7 +102,14 @@ def resume_state(args: argparse.Namespace) -> Tuple[Optional[Dict[str, Any]], Co
     for key in ("optimizer", "scheduler", "epoch", "step"):
         if key not in state:
             raise CheckpointError(f"checkpoint {args.resume} has no '{key}' state: it can be evaluated (eval.py) but not resumed")
-    return state, config_from_dict(state["config"]), run
+    cfg = config_from_dict(state["config"])
+    if (run / CONFIG_NAME).is_file():  # a checkpoint copied in from another run would train under this run's name
+        changes = config_changes(load_config(str(run / CONFIG_NAME)).to_dict(), cfg.to_dict())
+        if changes:
+            raise CheckpointError(f"the checkpoint in {run} is not this run's: it was written with other settings than its "
+                                  f"{CONFIG_NAME} ({changes[0]}{f' and {len(changes) - 1} more' if len(changes) > 1 else ''}); "
+                                  f"put the run's own checkpoint back, or start a new run from that checkpoint's settings")
+    return state, cfg, run
 
 
 class StopRequest:
@@ -282,6 +289,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ds = load_dataset(cfg.data.name, cfg.data.data_dir, cfg.data.train_size, cfg.data.test_size, size)
     train_x, train_y = ds.split(True, size)
     test_x, test_y = ds.split(False, size)
+    notes = list(ds.notes)
+    if state is not None:  # the head's rows are the checkpoint's classes, by name
+        notes += check_classes(state, ds, f"checkpoint {args.resume}", "restore the data the run was trained on, or start a new run")
+    for line in notes:
+        log(f"note: {line}")
     # Multi-resolution training: shapes is rendered natively at each size once; other data is resized per batch.
     sizes = train_resolutions(cfg)
     packed = cfg.train.max_tokens is not None  # mixed sizes: each batch renders or resizes its own images (Job.batch)

@@ -29,6 +29,20 @@ __all__ = ["POOLS", "Attention", "Block", "LayerScale", "VisionTransformer", "at
 POOLS = ("cls", "mean")  # how the head reads the tokens: the class token, or the mean of the patch tokens
 
 
+def pin_traced_size(x: Tensor, dims: Tuple[int, int]) -> Tensor:
+    """``x`` as it is; under ``torch.jit.trace``, also a guard in the graph that fails at any other size of ``x``'s
+    ``dims`` (its height and width). The coordinates, tables and rotations come from the size in Python, so a trace
+    holds them as constants: without the guard the traced module would give wrong answers at other sizes, silently
+    (at 96x64 after a trace at 64x96 the token count is the same)."""
+    if not torch.jit.is_tracing():
+        return x
+    h, w = (int(x.shape[d]) for d in dims)
+    warnings.warn(f"torch.jit.trace fixes vitpe's positional encoding to this input's size ({h}x{w}): the traced module refuses "
+                  "other sizes ('shape [...] is invalid'); trace once per size, or run the model in Python at any size", stacklevel=3)
+    zero = torch.zeros(h, device=x.device, dtype=x.dtype).view(x.shape[dims[0]]).sum()
+    return x + (zero + torch.zeros(w, device=x.device, dtype=x.dtype).view(x.shape[dims[1]]).sum())
+
+
 def compute_dtype(x: Tensor) -> torch.dtype:
     """The dtype activations will have: autocast's when it is on, else ``x``'s (PE tables are cast to it)."""
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
@@ -372,7 +386,9 @@ class VisionTransformer(nn.Module):
     def patch_grid(self, grid_size: Tuple[int, int], device: torch.device) -> PatchGrid:
         return PatchGrid.create(grid_size, self.ref_grid, self.coord_mode, device=device)
 
-    def _check_input(self, x: Tensor) -> None:
+    def _check_input(self, x: Tensor) -> Tensor:
+        """``x`` checked, in the dtype of the model's weights (a half-precision batch into a float32 model computes in
+        float32, as a float32 batch into a float64 model computes in float64; autocast still decides inside)."""
         if x.dim() != 4:
             raise ValueError(f"expected images of shape (B, {self.in_chans}, H, W), got shape {tuple(x.shape)}")
         if x.shape[1] != self.in_chans:
@@ -380,6 +396,10 @@ class VisionTransformer(nn.Module):
                 f"expected {self.in_chans} input channels, got {x.shape[1]} (shape {tuple(x.shape)}); "
                 f"convert the images or build the model with in_chans={x.shape[1]}"
             )
+        if not x.is_floating_point():
+            raise ValueError(f"expected floating-point images, got {x.dtype}; normalize them first "
+                             "(vitpe.data.augment.normalize(images, mean, std) takes uint8 images)")
+        return pin_traced_size(x.to(self.patch_embed.weight.dtype), (-2, -1))
 
     def patchify(self, x: Tensor, patch_size: Optional[int] = None) -> Tensor:
         """Patch embedding ``(B, C, H, W) -> (B, D, H/p, W/p)``; another ``patch_size`` PI-resizes the kernel."""
@@ -405,6 +425,8 @@ class VisionTransformer(nn.Module):
         coordinates (default: the input's grid in the model's coordinate mode); a :class:`TokenGrid` gives them per
         image and, with cells, selects which patches become tokens. ``token_keep=r`` keeps a random fraction ``r`` of
         each image's patch tokens (FLIP; a different subset per image). ``coord_aug`` applies in training mode."""
+        if token_keep is not None and not 0 < token_keep <= 1:
+            raise ValueError(f"token_keep must be in (0, 1], got {token_keep}: the fraction of each image's patch tokens to keep")
         if isinstance(x, Packed):
             if self.content_keep < 1:
                 raise ValueError(f"this model keeps the {self.content_keep:g} of each image's patches with the most content; a packed "
@@ -421,7 +443,7 @@ class VisionTransformer(nn.Module):
             if self.training and self.coord_aug.active:
                 grid = self.coord_aug(grid)
         else:
-            self._check_input(x)
+            x = self._check_input(x)
             b, grid_hw = x.shape[0], self.grid_size(x.shape[-2:], patch_size)
             made = grid is None
             if made:

@@ -14,24 +14,20 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..errors import VitpeError
 from ..suggest import did_you_mean
+from .images import DataError, FolderImages, digest_of, drop_copies_of, read_folder
 from .shapes import POSITION_CLASSES, SHAPES_CLASSES, render_shapes, shapes_params
 
 __all__ = ["DataError", "ImageDataset", "load_dataset", "resize_images", "DEBIAN_FASHION_MNIST", "SHAPES_SEED"]
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 _FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-
-
-class DataError(VitpeError, RuntimeError):
-    """A dataset that is missing, corrupt or unknown; the message says how to fix it."""
 
 
 def resize_images(images: Tensor, size: Tuple[int, int]) -> Tensor:
@@ -62,6 +58,8 @@ class ImageDataset:
     _aspects: Dict[bool, Tensor] = field(repr=False, default_factory=dict)
     # Classes that hold the same content and differ only in where it is: a model without position cannot tell them apart.
     position_classes: Tuple[int, ...] = ()
+    notes: Tuple[str, ...] = ()  # what loading skipped or changed and why, one line each (the command lines print them)
+    fingerprint: Optional[str] = None  # which training images, with which labels (an image folder's; a checkpoint keeps it)
 
     @property
     def num_classes(self) -> int:
@@ -80,6 +78,14 @@ class ImageDataset:
                 self._cache[key] = (resize_images(native[0], size), native[1])
         return self._cache[key]
 
+    def split_at(self, train: bool, size: Tuple[int, int], max_bytes: int = 2**30) -> Tuple[Union[Tensor, "LazySplit"], Tensor]:
+        """:meth:`split` at ``size``, or, where the whole split at that size would take more than ``max_bytes``, images
+        made a slice at a time as they are indexed (the same pixels; nothing kept): memory stays bounded at any size."""
+        labels = self.split(train)[1]
+        if len(labels) * self.in_chans * size[0] * size[1] <= max_bytes:
+            return self.split(train, size)
+        return LazySplit(self, train, tuple(size), len(labels)), labels
+
     def images_at(self, train: bool, index: Tensor, size: Tuple[int, int]) -> Tensor:
         """Samples ``index`` of a split at ``size = (h, w)``, uint8 ``(n, C, h, w)``: shapes renders them there, an image
         folder resizes each from its own copy (its aspect ratio kept), the rest resize the stored split."""
@@ -94,7 +100,26 @@ class ImageDataset:
 
     def describe(self) -> Dict:
         return {"name": self.name, "classes": list(self.classes), "in_chans": self.in_chans, "native_size": list(self.native_size),
-                "mean": list(self.mean), "std": list(self.std)}
+                "mean": list(self.mean), "std": list(self.std), **({"fingerprint": self.fingerprint} if self.fingerprint else {})}
+
+
+@dataclass
+class LazySplit:
+    """A split at one size whose images are made when a slice of them is asked for (:meth:`ImageDataset.split_at`)."""
+
+    ds: ImageDataset
+    train: bool
+    size: Tuple[int, int]
+    n: int
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, part: slice) -> Tensor:
+        index = torch.arange(self.n)[part]
+        if self.ds.renders_natively:
+            return self.ds._pick(self.train, index, self.size)
+        return resize_images(self.ds.split(self.train)[0][index], self.size)
 
 
 def _subset(x: Tensor, y: Tensor, n: Optional[int]) -> Tuple[Tensor, Tensor]:
@@ -239,69 +264,49 @@ def _cifar(name: str, data_dir: Path, train_size: Optional[int], test_size: Opti
 
 
 # ---- imagefolder -----------------------------------------------------------------------------------
-def _to_rgb(im, path: str):
-    """An opened PIL image as 8-bit RGB. 16-bit images (PNG ``I;16``; ``I`` within 0..65535) are scaled to
-    8 bits, not clipped; float or 32-bit pixels have no known range and are refused, naming the file."""
-    import numpy as np
-    from PIL import Image
-
-    if im.mode.startswith("I"):
-        arr = np.asarray(im).astype(np.int64)
-        if arr.size and (arr.min() < 0 or arr.max() > 65535):
-            raise DataError(f"image {path} has 32-bit pixels ({arr.min()}..{arr.max()}) with no known range; convert it to 8 or 16 bits")
-        im = Image.fromarray(np.round(arr / 257).astype(np.uint8), mode="L")
-    elif im.mode == "F":
-        raise DataError(f"image {path} has floating-point pixels (mode F) with no known range; convert it to 8 or 16 bits")
-    return im.convert("RGB")
-
-
 def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int], size: Tuple[int, int] = (32, 32)) -> ImageDataset:
-    """Class-per-folder images. ``root/train`` and ``root/test`` (or ``val``) if present, else a fixed
-    90/10 split of ``root``. Images are decoded once, converted to RGB and resized to ``size``; each also keeps a copy
-    of ``size``'s area at its own aspect ratio, for training and evaluation at native aspect ratio (packed)."""
-    from PIL import Image, UnidentifiedImageError
-    from torchvision.datasets import ImageFolder
+    """Class-per-folder images (:func:`vitpe.data.images.read_folder`: each picture once, upright). ``root/train`` and
+    ``root/test`` (or ``val``) if present, else a fixed 90/10 split of ``root``; either way no test image is a copy of a
+    training image. Images are converted to RGB and resized to ``size``; each also keeps a copy of ``size``'s area at its
+    own aspect ratio, for training and evaluation at native aspect ratio (packed)."""
+    from PIL import Image
     from torchvision.transforms.functional import pil_to_tensor
 
     if not root.is_dir():
         raise DataError(f"imagefolder path {root} is not a directory; give imagefolder:PATH with one sub-folder per class")
     test_dir = next((root / d for d in ("test", "val") if (root / d).is_dir()), None)
     has_split = (root / "train").is_dir() and test_dir is not None
-
     area = size[0] * size[1]
 
-    def read(folder: Path) -> Tuple[Tensor, Tensor, List[str], List[Tensor]]:
-        try:
-            ds = ImageFolder(str(folder))
-        except (FileNotFoundError, RuntimeError) as e:
-            raise DataError(f"imagefolder {folder}: {e}") from None
-        xs, own = [], []
-        for path, _ in ds.samples:
-            try:
-                with Image.open(path) as im:
-                    rgb = _to_rgb(im, path)
-                    a = rgb.width / rgb.height
-                    xs.append(pil_to_tensor(rgb.resize(size[::-1], Image.BICUBIC)))
-                    own.append(pil_to_tensor(rgb.resize((max(1, round((area * a) ** 0.5)), max(1, round((area / a) ** 0.5))), Image.BICUBIC)))
-            except Image.DecompressionBombError as e:
-                raise DataError(f"image {path} is too large to decode safely ({e}); shrink it, or raise PIL.Image.MAX_IMAGE_PIXELS") from None
-            except (UnidentifiedImageError, OSError) as e:
-                raise DataError(f"cannot read image {path} ({e}); remove or replace it") from None
-        return torch.stack(xs), torch.tensor(ds.targets, dtype=torch.long), ds.classes, own
+    def decode(rgb) -> Tuple[Tensor, Tensor]:
+        a = rgb.width / rgb.height
+        own = (max(1, round((area * a) ** 0.5)), max(1, round((area / a) ** 0.5)))
+        return pil_to_tensor(rgb.resize(size[::-1], Image.BICUBIC)), pil_to_tensor(rgb.resize(own, Image.BICUBIC))
 
     if has_split:
-        xtr, ytr, classes, otr = read(root / "train")
-        xte, yte, classes_te, ote = read(test_dir)
-        if classes_te != classes:
-            raise DataError(f"imagefolder {root}: train and {test_dir.name} have different class folders")
+        parts = {True: read_folder(root / "train", decode), False: read_folder(test_dir, decode, every_class=False)}
+        if parts[False].classes != parts[True].classes:
+            train_only = sorted(set(parts[True].classes) - set(parts[False].classes))
+            test_only = sorted(set(parts[False].classes) - set(parts[True].classes))
+            raise DataError(f"imagefolder {root}: train and {test_dir.name} have different class folders (only in train: "
+                            f"{', '.join(train_only) or '-'}; only in {test_dir.name}: {', '.join(test_only) or '-'})")
+        drop_copies_of(parts[False], parts[True], root)
     else:
-        x, y, classes, own = read(root)
-        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-        n_test = max(1, len(y) // 10)
-        xte, yte, xtr, ytr = x[order[:n_test]], y[order[:n_test]], x[order[n_test:]], y[order[n_test:]]
-        ote, otr = [own[i] for i in order[:n_test]], [own[i] for i in order[n_test:]]
-    splits = {True: _subset(xtr, ytr, train_size), False: _subset(xte, yte, test_size)}
-    natives = {True: otr[: len(splits[True][1])], False: ote[: len(splits[False][1])]}
+        whole = read_folder(root, decode)  # copies are already gone, so none can land on both sides of the split
+        order = torch.randperm(len(whole.labels), generator=torch.Generator().manual_seed(0)).tolist()
+        n_test = max(1, len(order) // 10)
+        parts = {is_train: FolderImages(whole.classes, *([getattr(whole, k)[i] for i in index] for k in ("paths", "labels", "digests", "pictures")))
+                 for is_train, index in ((False, order[:n_test]), (True, order[n_test:]))}
+        parts[True].notes = whole.notes
+    classes, notes = parts[True].classes, parts[True].notes + parts[False].notes
+    splits, natives = {}, {}
+    for is_train, part in parts.items():
+        n = len(part.labels) if (train_size if is_train else test_size) is None else min(len(part.labels), train_size if is_train else test_size)
+        if n == 0:
+            why = f" ({' / '.join(part.notes)})" if part.notes else ""
+            raise DataError(f"imagefolder {root}: the {'training' if is_train else 'test'} split has no images{why}; add some")
+        splits[is_train] = (torch.stack([p[0] for p in part.pictures[:n]]), torch.tensor(part.labels[:n], dtype=torch.long))
+        natives[is_train] = [p[1] for p in part.pictures[:n]]
     mean = tuple((splits[True][0].float().mean((0, 2, 3)) / 255).tolist())
     std = tuple((splits[True][0].float().std((0, 2, 3)) / 255).clamp_min(1e-3).tolist())
 
@@ -309,8 +314,10 @@ def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int]
         return torch.cat([resize_images(natives[train][i][None], size) for i in index.tolist()])
 
     aspects = {t: torch.tensor([im.shape[-1] / im.shape[-2] for im in natives[t]]) for t in (True, False)}
-    return ImageDataset(f"imagefolder:{root}", tuple(classes), 3, size, mean, std, True, False, lambda train, s: splits[train],
-                        _pick=pick, _aspects=aspects)
+    n_train = len(splits[True][1])
+    fingerprint = digest_of(parts[True].digests[:n_train], parts[True].labels[:n_train])
+    return ImageDataset(f"imagefolder:{root}", classes, 3, size, mean, std, True, False, lambda train, s: splits[train],
+                        _pick=pick, _aspects=aspects, notes=tuple(notes), fingerprint=fingerprint)
 
 
 DATASETS = ("shapes", "fashion_mnist", "cifar10", "cifar100", "imagefolder:PATH")

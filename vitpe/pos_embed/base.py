@@ -223,9 +223,10 @@ class PosEmbed(nn.Module):
     # ---- caching ---------------------------------------------------------------------------------
     def _cached(self, key: Optional[Hashable], fn: Callable[[], object]) -> object:
         """``fn()``, remembered under ``key`` (least recently used evicted); ``key=None`` computes afresh. Under
-        ``torch.compile`` always afresh: the graph computes the tables itself (they are small next to a block), and a
-        compiled graph cannot see the parameter versions the cache keys on."""
-        if key is None or torch.compiler.is_compiling():
+        ``torch.compile`` and ``torch.jit.trace`` always afresh: the graph computes the tables itself (they are small next
+        to a block), and a compiled graph cannot see the parameter versions the cache keys on (a trace that took a cached
+        table would differ from the trace of a first call, and torch.jit.trace's check refuses that)."""
+        if key is None or torch.compiler.is_compiling() or torch.jit.is_tracing():
             return fn()
         if key in self._memo_store:
             self._memo_store.move_to_end(key)

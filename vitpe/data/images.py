@@ -1,0 +1,230 @@
+"""Image files read the way a viewer shows them, and class-per-folder image sets read so that no file is counted twice.
+
+``open_image(path)``: one file as upright 8-bit RGB (EXIF orientation applied, 16-bit scaled, too-large images refused
+in one line). ``read_folder(root)``: every image under ``root/CLASS/...`` once: hidden files and folders, files that
+are not images and folders reached a second time through a link are skipped, and images with the same pixels under
+two names are kept once (in none when they sit in two classes). What was skipped and why comes back as notes, one
+line each, for the command line to print.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+from ..errors import VitpeError
+
+__all__ = ["DataError", "IMAGE_EXTENSIONS", "open_image", "FolderImages", "read_folder", "drop_copies_of", "digest_of"]
+
+# What PIL decodes and users keep images in; a GIF gives its first frame.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".pbm", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+_SYSTEM_FOLDERS = ("__MACOSX", "@eaDir", "$RECYCLE.BIN", "System Volume Information")  # archivers' and NAS' own
+_EXAMPLES = 3  # paths named per note
+
+
+class DataError(VitpeError, RuntimeError):
+    """A dataset that is missing, corrupt or unknown; the message says how to fix it."""
+
+
+def _to_rgb(im, path: str):
+    """An opened PIL image as 8-bit RGB. 16-bit images (PNG ``I;16``; ``I`` within 0..65535) are scaled to
+    8 bits, not clipped; float or 32-bit pixels have no known range and are refused, naming the file."""
+    import numpy as np
+    from PIL import Image
+
+    if im.mode.startswith("I"):
+        arr = np.asarray(im).astype(np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() > 65535):
+            raise DataError(f"image {path} has 32-bit pixels ({arr.min()}..{arr.max()}) with no known range; convert it to 8 or 16 bits")
+        im = Image.fromarray(np.round(arr / 257).astype(np.uint8), mode="L")
+    elif im.mode == "F":
+        raise DataError(f"image {path} has floating-point pixels (mode F) with no known range; convert it to 8 or 16 bits")
+    return im.convert("RGB")
+
+
+def open_image(path) -> "PIL.Image.Image":  # noqa: F821 (PIL is imported where it is used)
+    """The file at ``path`` as the 8-bit RGB picture a viewer shows: EXIF orientation applied (a phone photo taken
+    sideways stands up), 16-bit pixels scaled. One-line :class:`DataError` for a missing, unreadable or too-large file."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            return _to_rgb(ImageOps.exif_transpose(im), str(path))
+    except FileNotFoundError:
+        raise DataError(f"image {path} does not exist") from None
+    except Image.DecompressionBombError as e:
+        raise DataError(f"image {path} is too large to decode safely ({e}); shrink it, or raise PIL.Image.MAX_IMAGE_PIXELS") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # SyntaxError, ValueError: PIL's words for bad headers
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"cannot read image {path} ({type(e).__name__}: {str(e)[:80]}); give PNG, JPEG or another format PIL "
+                        "opens, or remove or replace it") from None
+
+
+@dataclass
+class FolderImages:
+    """The images of a class-per-folder set, each once: ``paths``, ``labels`` (indices into ``classes``) and
+    ``digests`` (SHA-256 of each picture's pixels, upright, at its own size) in the same order; ``pictures`` the decoded
+    images; ``notes``: what was skipped and why, one line each."""
+
+    classes: Tuple[str, ...]
+    paths: List[str] = field(default_factory=list)
+    labels: List[int] = field(default_factory=list)
+    digests: List[str] = field(default_factory=list)
+    pictures: List = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+
+def _pixel_digest(im) -> str:
+    return hashlib.sha256(f"{im.mode}{im.size}".encode() + im.tobytes()).hexdigest()
+
+
+def _examples(items: Sequence[str]) -> str:
+    shown = ", ".join(items[:_EXAMPLES])
+    return shown + (f" and {len(items) - _EXAMPLES} more" if len(items) > _EXAMPLES else "")
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(".") or name in _SYSTEM_FOLDERS  # .git, .DS_Store, AppleDouble ._x.png
+
+
+def _class_files(class_dir: Path, root: Path, seen_dirs: Dict[str, str], skipped: Dict[str, List[str]]) -> List[str]:
+    """The image files under ``class_dir``, links followed, each folder read once (a link loop or a second link to a
+    folder already read is skipped and noted)."""
+    files = []
+    for top, dirs, names in os.walk(class_dir, followlinks=True):
+        keep = []
+        for d in sorted(dirs):
+            rel = os.path.relpath(os.path.join(top, d), root)
+            if _hidden(d):
+                skipped["hidden"].append(rel + "/")
+                continue
+            real = os.path.realpath(os.path.join(top, d))
+            if real in seen_dirs:
+                skipped["loop"].append(f"{rel} -> {seen_dirs[real]}")
+                continue
+            seen_dirs[real] = rel
+            keep.append(d)
+        dirs[:] = keep
+        for name in sorted(names):
+            path = os.path.join(top, name)
+            rel = os.path.relpath(path, root)
+            if _hidden(name):
+                skipped["hidden"].append(rel)
+            elif not name.lower().endswith(IMAGE_EXTENSIONS):
+                skipped["not_image"].append(rel)
+            elif not os.path.exists(path):
+                skipped["broken"].append(rel)
+            else:
+                files.append(path)
+    return files
+
+
+def read_folder(root: Path, decode=None, every_class: bool = True) -> FolderImages:
+    """Every image under ``root/CLASS/`` once, with its class. ``decode(picture)`` turns each upright RGB PIL picture into
+    what is kept (default: the picture itself). Raises :class:`DataError` for fewer than two class folders, or (with
+    ``every_class``, as for training) a class folder without images."""
+    root = Path(root)
+    skipped: Dict[str, List[str]] = defaultdict(list)
+    classes = []
+    for entry in sorted(root.iterdir(), key=lambda p: p.name):
+        if _hidden(entry.name):
+            skipped["hidden"].append(entry.name + ("/" if entry.is_dir() else ""))
+        elif entry.is_dir():
+            classes.append(entry.name)
+        else:
+            skipped["loose"].append(entry.name)
+    if not classes:
+        raise DataError(f"imagefolder {root} has no class folders: put each class's images in a sub-folder named after it "
+                        f"(e.g. {root}/cat/1.png, {root}/dog/1.png)")
+    if len(classes) < 2:
+        raise DataError(f"imagefolder {root} has 1 class folder ({classes[0]}); a classifier needs at least 2 classes: "
+                        "add a folder per class")
+    out = FolderImages(tuple(classes))
+    seen_dirs = {os.path.realpath(root): "."}
+    by_digest: Dict[str, List[int]] = defaultdict(list)  # digest -> indices into the lists below
+    paths, labels, digests, pictures = [], [], [], []
+    for label, name in enumerate(classes):
+        class_dir = root / name
+        real = os.path.realpath(class_dir)
+        if real in seen_dirs:
+            skipped["loop"].append(f"{name} -> {seen_dirs[real]}")
+            continue
+        seen_dirs[real] = name
+        for path in _class_files(class_dir, root, seen_dirs, skipped):
+            im = open_image(path)
+            digest = _pixel_digest(im)
+            by_digest[digest].append(len(paths))
+            paths.append(path)
+            labels.append(label)
+            digests.append(digest)
+            pictures.append(decode(im) if decode is not None else im)
+    drop = set()
+    copies, ambiguous = [], []
+    for index in by_digest.values():
+        if len(index) == 1:
+            continue
+        names = [os.path.relpath(paths[i], root) for i in index]
+        if len({labels[i] for i in index}) > 1:  # the same picture under two labels: either would be wrong half the time
+            drop.update(index)
+            ambiguous.append(" = ".join(names))
+        else:
+            drop.update(index[1:])
+            copies.append(" = ".join(names))
+    for i in range(len(paths)):
+        if i not in drop:
+            out.paths.append(paths[i])
+            out.labels.append(labels[i])
+            out.digests.append(digests[i])
+            out.pictures.append(pictures[i])
+    empty = [c for i, c in enumerate(classes) if i not in set(out.labels)]
+    if empty and every_class:
+        raise DataError(f"imagefolder {root}: class folder {empty[0]} has no images vitpe reads ({', '.join(IMAGE_EXTENSIONS)}); "
+                        "add images, or remove the folder")
+    where = f"imagefolder {root}"
+    if skipped["hidden"]:
+        out.notes.append(f"{where}: skipped {len(skipped['hidden'])} hidden files and folders ({_examples(skipped['hidden'])})")
+    if skipped["not_image"]:
+        out.notes.append(f"{where}: skipped {len(skipped['not_image'])} files that are not images by their name "
+                         f"({_examples(skipped['not_image'])}); vitpe reads {', '.join(IMAGE_EXTENSIONS)}")
+    if skipped["loose"]:
+        out.notes.append(f"{where}: skipped {len(skipped['loose'])} files outside the class folders ({_examples(skipped['loose'])})")
+    if skipped["broken"]:
+        out.notes.append(f"{where}: skipped {len(skipped['broken'])} links that lead nowhere ({_examples(skipped['broken'])})")
+    if skipped["loop"]:
+        out.notes.append(f"{where}: skipped {len(skipped['loop'])} links to folders already read, so that no image counts twice "
+                         f"({_examples(skipped['loop'])})")
+    if copies:
+        out.notes.append(f"{where}: {len(copies)} images appear more than once in one class (the same pixels: "
+                         f"{_examples(copies)}); each is kept once, so no copy lands on both sides of the train/test split")
+    if ambiguous:
+        out.notes.append(f"{where}: left out {len(ambiguous)} images found in more than one class (the same pixels: "
+                         f"{_examples(ambiguous)}); their label is ambiguous")
+    return out
+
+
+def drop_copies_of(test: FolderImages, train: FolderImages, root: Path) -> None:
+    """Remove from ``test`` every image whose pixels are those of a training image (a test score on a copy of a
+    training image measures memory, not accuracy), with a note."""
+    seen = set(train.digests)
+    keep = [i for i, d in enumerate(test.digests) if d not in seen]
+    if len(keep) == len(test.digests):
+        return
+    gone = [os.path.relpath(test.paths[i], root) for i in range(len(test.digests)) if test.digests[i] in seen]
+    for name in ("paths", "labels", "digests", "pictures"):
+        values = getattr(test, name)
+        setattr(test, name, [values[i] for i in keep])
+    test.notes.append(f"imagefolder {root}: left out {len(gone)} test images that are copies of training images "
+                      f"({_examples(gone)}), so that the test score measures images the model has not seen")
+
+
+def digest_of(digests: Sequence[str], labels: Sequence[int]) -> str:
+    """One fingerprint of a split: which pictures, with which labels (order-free)."""
+    h = hashlib.sha256()
+    for d, y in sorted(zip(digests, labels)):
+        h.update(f"{d}:{y};".encode())
+    return h.hexdigest()[:16]
+
