@@ -21,6 +21,7 @@ from vitpe.checkpoint import CheckpointError
 from vitpe.config import ConfigError
 from vitpe.data import DataError, load_dataset
 from vitpe.data.images import open_image
+from vitpe.engine import MemoryPlanError
 from vitpe.runs import RunError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,7 +153,7 @@ def test_a_checkpoint_from_another_run_is_not_resumed_under_this_runs_config(fol
 def test_eval_refuses_a_size_that_cannot_fit_before_anything_runs(folder_run, tmp_path, monkeypatch):
     _, _, run = folder_run
     monkeypatch.setattr(eval_script, "evaluate_at", lambda *a, **k: pytest.fail("evaluated a size that cannot fit"))
-    with pytest.raises(ConfigError, match=r"resolution 2048x2048 needs about \d+\.\d GiB for one image's attention .* up to about \d+x\d+"):
+    with pytest.raises(MemoryPlanError, match=r"resolution 2048x2048 needs about \d+\.\d GiB for one image's attention .* up to about \d+x\d+"):
         eval_script.main([str(run), "--resolutions", "16", "2048", "--out", str(tmp_path / "e")])
     assert not (tmp_path / "e").exists()
 
@@ -161,8 +162,8 @@ def test_eval_lowers_the_batch_where_memory_is_short_and_makes_large_splits_batc
     _, _, run = folder_run
     model, _ = vitpe.checkpoint.model_from_checkpoint(run)
     per_image = vitpe.engine.attention_bytes(model, (64, 64))
-    monkeypatch.setattr(eval_script, "memory_available", lambda device: 2 * 3 * per_image)  # 3 images' attention at 64x64
-    plan = eval_script.memory_plan(model, [((16, 16), None), ((64, 64), None)], 256, torch.device("cpu"), "run")
+    monkeypatch.setattr(vitpe.engine, "memory_available", lambda device: 2 * 3 * per_image)  # 3 images' attention at 64x64
+    plan = vitpe.engine.memory_plan(model, [((16, 16), None), ((64, 64), None)], 256, torch.device("cpu"), "run")
     assert plan == {(16, 16): 256, (64, 64): 3} and "images per batch lowered to fit memory at 64x64: 3" in capsys.readouterr().err
     ds = load_dataset("shapes", train_size=8, test_size=40)
     lazy, labels = ds.split_at(False, (48, 48), max_bytes=1000)
@@ -292,3 +293,15 @@ def test_eval_checks_its_output_first_keeps_finished_rows_on_ctrl_c_and_names_da
     assert eval_script.main([str(run), str(shapes / "s"), "--resolutions", "16", "--diagnostics", "0", "--out", str(two)]) == 0
     labels = {r["label"] for r in json.loads((two / "results.json").read_text())}
     assert any(label.endswith(" on shapes") for label in labels) and any(" on imagefolder:" in label for label in labels)
+
+
+def test_predict_refuses_a_size_that_cannot_fit_and_training_warns_up_front(folder_run, tmp_path, monkeypatch, capsys):
+    from vitpe.errors import run_cli
+
+    _, data, run = folder_run
+    monkeypatch.setattr(vitpe.engine, "memory_available", lambda device: 2**30)
+    assert run_cli(predict_script.main, [str(data / "a" / "0.png"), "--run", str(run), "--size", "1024"]) == 2
+    assert "resolution 1024x1024 needs about" in capsys.readouterr().err
+    monkeypatch.setattr(train_script, "memory_available", lambda device: 1000)
+    assert train_script.main(["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "w"]) == 0
+    assert "warning: a training step at 16 px may hold up to" in capsys.readouterr().out

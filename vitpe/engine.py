@@ -5,7 +5,7 @@ import contextlib
 import random
 import sys
 import time
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .data.augment import normalize, tta_views
+from .errors import VitpeError
 
-__all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "Scores", "evaluate", "evaluate_native", "memory_available", "attention_bytes"]
+__all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "Scores", "evaluate", "evaluate_native", "memory_available", "attention_bytes",
+           "memory_plan", "MemoryPlanError"]
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -42,6 +44,12 @@ def autocast(device: torch.device, dtype: Optional[torch.dtype]):
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
+class MemoryPlanError(VitpeError):
+    """A size whose computation cannot fit in the memory there is; the message says what it needs and what fits."""
+
+    exit_code = 2
+
+
 def memory_available(device: torch.device) -> int:
     """Bytes a new computation on ``device`` can take: free GPU memory, or the system's available memory on CPU."""
     if device.type == "cuda":
@@ -63,6 +71,32 @@ def attention_bytes(model: nn.Module, size: Sequence[int], patch_size: Optional[
     p = patch_size or model.patch_size
     tokens = (size[0] // p) * (size[1] // p) + model.num_prefix_tokens
     return 3 * 4 * model.blocks[0].attn.num_heads * tokens * tokens
+
+
+def memory_plan(model, sizes: List[Tuple[Tuple[int, int], Optional[int]]], batch_size: int, device: torch.device,
+                source: str) -> Dict[Tuple[int, int], int]:
+    """Images per batch at each size ``(h, w)`` of ``sizes`` (each with the patch size it runs at, None: the model's), so
+    that a batch's attention (:func:`vitpe.engine.attention_bytes`) takes at most half the memory available now; a size
+    where one image cannot fit is refused here, before anything runs, with what it needs and the largest square size
+    that fits. Sizes whose batch had to shrink are said in one line."""
+    budget = memory_available(device) // 2
+    out: Dict[Tuple[int, int], int] = {}
+    shrunk = []
+    for hw, patch in sorted(dict.fromkeys(sizes), key=lambda s: s[1] or 0):  # the model's own patch (most tokens) first
+        need = attention_bytes(model, hw, patch)
+        if hw in out:
+            continue
+        if need > budget:
+            side = model.patch_size * int(((budget / (12 * model.blocks[0].attn.num_heads)) ** 0.5 - model.num_prefix_tokens) ** 0.5 // 1)
+            raise MemoryPlanError(f"resolution {hw[0]}x{hw[1]} needs about {need / 2**30:.1f} GiB for one image's attention in {source} "
+                                  f"({(hw[0] // model.patch_size) * (hw[1] // model.patch_size):,} tokens; it grows with the 4th power of "
+                                  f"the side) and {device} has {2 * budget / 2**30:.1f} GiB available; use sizes up to about {side}x{side}")
+        out[hw] = max(1, min(batch_size, budget // need))
+        if out[hw] < batch_size:
+            shrunk.append(f"{hw[0]}x{hw[1]}: {out[hw]} ({need / 2**20:,.0f} MiB each)")
+    if shrunk:
+        print(f"note: {source}: images per batch lowered to fit memory at {'; '.join(shrunk)}", file=sys.stderr)
+    return out
 
 
 def seed_step(*parts: int) -> None:

@@ -33,7 +33,7 @@ from vitpe.config import Config, ConfigError
 from vitpe.coords import COORD_MODES, snap
 from vitpe.data import load_dataset
 from vitpe.data.augment import TTA_MODES, normalize
-from vitpe.engine import amp_dtype, attention_bytes, autocast, evaluate, evaluate_native, memory_available, resolve_device
+from vitpe.engine import amp_dtype, autocast, evaluate, evaluate_native, memory_plan, resolve_device
 from vitpe.errors import run_cli
 from vitpe.pos_embed import set_lookhere_slope, set_rope_extrapolation
 from vitpe.pos_embed.functional import ROPE_SCALINGS
@@ -380,32 +380,6 @@ def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets
     return RunPlan(ckpt, model, state, cfg, ds, name, modes, routes, resolutions, controls,
                    memory_plan(model, [(hw, None) for hw in resolutions if "coords" in routes] + [(hw, hw[0] // ref_h) for hw in resolutions
                                        if "patch" in routes and patch_fits(model, *hw)] + [((train_size,) * 2, None)], args.batch_size, device, str(ckpt)))
-
-
-def memory_plan(model, sizes: List[Tuple[Tuple[int, int], Optional[int]]], batch_size: int, device: torch.device,
-                source: str) -> Dict[Tuple[int, int], int]:
-    """Images per batch at each size ``(h, w)`` of ``sizes`` (each with the patch size it runs at, None: the model's), so
-    that a batch's attention (:func:`vitpe.engine.attention_bytes`) takes at most half the memory available now; a size
-    where one image cannot fit is refused here, before anything runs, with what it needs and the largest square size
-    that fits. Sizes whose batch had to shrink are said in one line."""
-    budget = memory_available(device) // 2
-    out: Dict[Tuple[int, int], int] = {}
-    shrunk = []
-    for hw, patch in sorted(dict.fromkeys(sizes), key=lambda s: s[1] or 0):  # the model's own patch (most tokens) first
-        need = attention_bytes(model, hw, patch)
-        if hw in out:
-            continue
-        if need > budget:
-            side = model.patch_size * int(((budget / (12 * model.blocks[0].attn.num_heads)) ** 0.5 - model.num_prefix_tokens) ** 0.5 // 1)
-            raise ConfigError(f"resolution {hw[0]}x{hw[1]} needs about {need / 2**30:.1f} GiB for one image's attention in {source} "
-                              f"({(hw[0] // model.patch_size) * (hw[1] // model.patch_size):,} tokens; it grows with the 4th power of the "
-                              f"side) and {device} has {2 * budget / 2**30:.1f} GiB available; evaluate at sizes up to about {side}x{side}")
-        out[hw] = max(1, min(batch_size, budget // need))
-        if out[hw] < batch_size:
-            shrunk.append(f"{hw[0]}x{hw[1]}: {out[hw]} ({need / 2**20:,.0f} MiB each)")
-    if shrunk:
-        print(f"note: {source}: images per batch lowered to fit memory at {'; '.join(shrunk)}", file=sys.stderr)
-    return out
 
 
 def patch_fits(model, h: int, w: int) -> bool:

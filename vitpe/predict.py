@@ -21,6 +21,7 @@ from torch import Tensor
 from .checkpoint import model_from_checkpoint
 from .data.augment import normalize
 from .data.images import open_image
+from .engine import memory_plan
 from .errors import run_cli
 
 __all__ = ["read_images", "predict", "main"]
@@ -41,9 +42,11 @@ def read_images(paths: Sequence[str], in_chans: int, size: Tuple[int, int]) -> T
 
 
 @torch.no_grad()
-def predict(model: torch.nn.Module, images: Tensor, mean: Sequence[float], std: Sequence[float], top: int = 3) -> Tuple[Tensor, Tensor]:
-    """Top-``top`` probabilities and class indices ``(N, top)`` of uint8 ``images``."""
-    probs = model.eval()(normalize(images, mean, std)).float().softmax(-1)
+def predict(model: torch.nn.Module, images: Tensor, mean: Sequence[float], std: Sequence[float], top: int = 3,
+            batch_size: int = 64) -> Tuple[Tensor, Tensor]:
+    """Top-``top`` probabilities and class indices ``(N, top)`` of uint8 ``images``, ``batch_size`` images at a time."""
+    model.eval()
+    probs = torch.cat([model(normalize(x, mean, std)).float().softmax(-1) for x in images.split(batch_size)])
     return probs.topk(min(top, probs.shape[-1]), dim=-1)
 
 
@@ -85,8 +88,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     data: Dict = state["data"]
     size = args.size or tuple(model.img_size)
     model.grid_size(size)  # one clear line for a size that is not a multiple of the patch size
+    batch = memory_plan(model, [(size, None)], 64, torch.device("cpu"), str(args.run))[size]  # refuses a size that cannot fit
     images = read_images(args.images, data["in_chans"], size)
-    probs, index = predict(model, images, data["mean"], data["std"], args.top)
+    probs, index = predict(model, images, data["mean"], data["std"], args.top, batch)
     classes = data["classes"]
     for path, ps, ix in zip(args.images, probs.tolist(), index.tolist()):
         ranked = [(classes[i], round(q, 4)) for i, q in zip(ix, ps)]
