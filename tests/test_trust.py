@@ -305,3 +305,35 @@ def test_predict_refuses_a_size_that_cannot_fit_and_training_warns_up_front(fold
     monkeypatch.setattr(train_script, "memory_available", lambda device: 1000)
     assert train_script.main(["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "w"]) == 0
     assert "warning: a training step at 16 px may hold up to" in capsys.readouterr().out
+
+
+def test_more_of_the_same_kind(folder_run, tmp_path, capsys):
+    """The next cases found on the same surfaces (docs/reliability.md lists them with the first ones)."""
+    _, data, run = folder_run
+    rgba = Image.new("RGBA", (8, 8), (255, 0, 0, 0))  # fully transparent, with red stored under the transparency
+    rgba.save(tmp_path / "t.png")
+    assert np.asarray(open_image(tmp_path / "t.png")).min() == 255  # shown as a viewer shows it: the white page
+    links = tmp_path / "links"
+    shutil.copytree(data, links)
+    os.symlink(links / "a", links / "kitty")
+    with pytest.raises(DataError, match="class folder kitty is a link to a, read already"):
+        load_dataset(f"imagefolder:{links}")
+    out = tmp_path / "twice"
+    assert eval_script.main([str(run), str(run / "checkpoint.pt"), "--resolutions", "16", "--diagnostics", "0", "--out", str(out)]) == 0
+    assert len(json.loads((out / "results.json").read_text())) == 1 and "given twice; each is evaluated once" in capsys.readouterr().err
+    assert train_script.main(["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "done"]) == 0
+    before = (tmp_path / "done" / "checkpoint.pt").stat().st_mtime_ns
+    capsys.readouterr()
+    assert train_script.main(["--resume", str(tmp_path / "done")]) == 0  # a finished run: said, not trained on
+    assert "finished all its 1 epochs already" in capsys.readouterr().out and (tmp_path / "done" / "checkpoint.pt").stat().st_mtime_ns == before
+    for size in ("0", "-4"):
+        with pytest.raises(SystemExit):
+            predict_script.main([str(data / "a" / "0.png"), "--run", str(run), "--size", size])
+        assert "must be positive" in capsys.readouterr().err
+
+
+def test_nan_and_ill_typed_values_are_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.lr=nan is out of range"):
+        train_script.main(["--config", TINY, "--set", "train.lr=.nan", "--out-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"coord_aug takes numbers for shift, rescale and jitter"):
+        vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, coord_aug={"rescale": [2, 1]})

@@ -228,7 +228,7 @@ def _validate(cfg: Config) -> None:
             continue
         below = value < lo if lo_in else value <= lo
         above = hi is not None and (value > hi if hi_in else value >= hi)
-        if below or above:
+        if below or above or value != value:  # NaN compares false with everything: out of every range
             span = f"{'[' if lo_in else '('}{lo}, {hi if hi is not None else 'inf'}{']' if hi_in and hi is not None else ')'}"
             raise ConfigError(f"{key}={value} is out of range; it must be in {span}")
     if m.embed_dim % m.num_heads:

@@ -28,7 +28,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from vitpe.checkpoint import check_classes, checkpoint_config, model_from_checkpoint
+from vitpe.checkpoint import check_classes, checkpoint_config, find_checkpoint, model_from_checkpoint
 from vitpe.config import Config, ConfigError
 from vitpe.coords import COORD_MODES, snap
 from vitpe.data import load_dataset
@@ -429,7 +429,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     device = resolve_device(args.device)
     datasets: Dict[Tuple, object] = {}
-    plans = [plan_run(ckpt, args, device, datasets) for ckpt in args.checkpoints]
+    given = {}
+    for ckpt in args.checkpoints:  # the same checkpoint twice (RUN and RUN/checkpoint.pt): once
+        given.setdefault(find_checkpoint(ckpt).resolve(), ckpt)
+    if len(given) < len(args.checkpoints):
+        print(f"note: {len(args.checkpoints) - len(given)} checkpoint(s) given twice; each is evaluated once", file=sys.stderr)
+    plans = [plan_run(ckpt, args, device, datasets) for ckpt in given.values()]
     out, made = output_dir(args)
     rows: List[Dict] = []
     interrupted = False

@@ -53,9 +53,12 @@ def predict(model: torch.nn.Module, images: Tensor, mean: Sequence[float], std: 
 def parse_size(text: str) -> Tuple[int, int]:
     h, _, w = text.lower().partition("x")
     try:
-        return int(h), int(w or h)
+        size = int(h), int(w or h)
     except ValueError:
         raise argparse.ArgumentTypeError(f"size must be N or HxW, got {text!r}") from None
+    if min(size) < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be positive")
+    return size
 
 
 def top_count(text: str) -> int:

@@ -376,6 +376,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             lock.__enter__()
             if not (run / CONFIG_NAME).exists():
                 save_config(cfg, run / CONFIG_NAME)
+        if state is not None and epoch >= cfg.train.epochs:
+            last = f" (test top-1 {rows[-1]['test_top1']:.4f})" if rows else ""
+            log(f"{run} finished all its {cfg.train.epochs} epochs already{last}: nothing to resume. Evaluate it with python eval.py "
+                f"{run}, or train longer in a new run (--epochs N)")
+            return 0
         if state is not None:
             log(f"resuming {run} at epoch {epoch + 1}, step {step}/{steps_per_epoch}")
         elif args.resume:

@@ -319,8 +319,11 @@ class VisionTransformer(nn.Module):
         try:
             self.coord_aug = CoordAugment(**(coord_aug or {}))
         except TypeError:
-            valid = ", ".join(f.name for f in dataclasses.fields(CoordAugment))
-            raise ValueError(f"unknown coord_aug option in {coord_aug}; valid: {valid}") from None
+            names = [f.name for f in dataclasses.fields(CoordAugment)]
+            unknown = [k for k in coord_aug if k not in names]
+            if unknown:
+                raise ValueError(f"unknown coord_aug option {unknown[0]!r} in {coord_aug}; valid: {', '.join(names)}") from None
+            raise ValueError(f"coord_aug takes numbers for shift, rescale and jitter and true/false for per_image, got {coord_aug}") from None
         self.num_prefix_tokens = int(class_token) + num_reg_tokens
 
         self.patch_embed = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)

@@ -31,7 +31,8 @@ class DataError(VitpeError, RuntimeError):
 
 def _to_rgb(im, path: str):
     """An opened PIL image as 8-bit RGB. 16-bit images (PNG ``I;16``; ``I`` within 0..65535) are scaled to
-    8 bits, not clipped; float or 32-bit pixels have no known range and are refused, naming the file."""
+    8 bits, not clipped; float or 32-bit pixels have no known range and are refused, naming the file; transparent pixels
+    show white."""
     import numpy as np
     from PIL import Image
 
@@ -42,6 +43,11 @@ def _to_rgb(im, path: str):
         im = Image.fromarray(np.round(arr / 257).astype(np.uint8), mode="L")
     elif im.mode == "F":
         raise DataError(f"image {path} has floating-point pixels (mode F) with no known range; convert it to 8 or 16 bits")
+    if im.mode in ("RGBA", "LA", "PA") or (im.mode in ("P", "L", "RGB") and "transparency" in im.info):
+        # Transparent pixels keep whatever colour the file stored under them (often black, or leftovers); a viewer shows
+        # the background through them: composite over white, as a page shows it.
+        rgba = im.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     return im.convert("RGB")
 
 
@@ -151,8 +157,8 @@ def read_folder(root: Path, decode=None, every_class: bool = True) -> FolderImag
         class_dir = root / name
         real = os.path.realpath(class_dir)
         if real in seen_dirs:
-            skipped["loop"].append(f"{name} -> {seen_dirs[real]}")
-            continue
+            raise DataError(f"imagefolder {root}: class folder {name} is a link to {seen_dirs[real]}, read already: one picture "
+                            "cannot be two classes; remove the link, or give the class its own images")
         seen_dirs[real] = name
         for path in _class_files(class_dir, root, seen_dirs, skipped):
             im = open_image(path)
