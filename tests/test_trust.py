@@ -153,7 +153,8 @@ def test_a_checkpoint_from_another_run_is_not_resumed_under_this_runs_config(fol
 def test_eval_refuses_a_size_that_cannot_fit_before_anything_runs(folder_run, tmp_path, monkeypatch):
     _, _, run = folder_run
     monkeypatch.setattr(eval_script, "evaluate_at", lambda *a, **k: pytest.fail("evaluated a size that cannot fit"))
-    with pytest.raises(MemoryPlanError, match=r"resolution 2048x2048 needs about \d+\.\d GiB for one image's attention .* up to about \d+x\d+"):
+    monkeypatch.setattr(vitpe.engine, "memory_available", lambda device: 2**30)
+    with pytest.raises(MemoryPlanError, match=r"resolution 2048x2048 needs about \d+\.\d GiB for one image in .* up to about \d+x\d+"):
         eval_script.main([str(run), "--resolutions", "16", "2048", "--out", str(tmp_path / "e")])
     assert not (tmp_path / "e").exists()
 
@@ -161,10 +162,15 @@ def test_eval_refuses_a_size_that_cannot_fit_before_anything_runs(folder_run, tm
 def test_eval_lowers_the_batch_where_memory_is_short_and_makes_large_splits_batch_by_batch(folder_run, tmp_path, monkeypatch, capsys):
     _, _, run = folder_run
     model, _ = vitpe.checkpoint.model_from_checkpoint(run)
-    per_image = vitpe.engine.attention_bytes(model, (64, 64))
-    monkeypatch.setattr(vitpe.engine, "memory_available", lambda device: 2 * 3 * per_image)  # 3 images' attention at 64x64
-    plan = vitpe.engine.memory_plan(model, [((16, 16), None), ((64, 64), None)], 256, torch.device("cpu"), "run")
-    assert plan == {(16, 16): 256, (64, 64): 3} and "images per batch lowered to fit memory at 64x64: 3" in capsys.readouterr().err
+    shared, each = vitpe.engine.forward_bytes(model, (64, 64))
+    assert shared == 0 and each > 0  # sincos2d adds no attention bias
+    monkeypatch.setattr(vitpe.engine, "memory_available", lambda device: 2 * 3 * each)  # 3 images at 64x64
+    plan = vitpe.engine.memory_plan(model, [((16, 16), None), ((64, 64), None), ((192, 192), 48)], 8, torch.device("cpu"), "run", (16, 16))
+    assert plan == {(16, 16): 8, (64, 64): 3, (192, 192): 8}  # the patch route at 192 keeps the trained 4x4 grid
+    err = capsys.readouterr().err
+    assert "images per batch lowered to fit memory at 64x64: 3" in err and "64x64 has 257 tokens per image: 229x the attention work of the training size 16x16 (17 tokens)" in err
+    rel = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, pos_embed="rel_bias")
+    assert vitpe.engine.forward_bytes(rel, (64, 64))[0] == 4 * 2 * 257**2 * 2  # heads x tokens^2 floats, per block at most
     ds = load_dataset("shapes", train_size=8, test_size=40)
     lazy, labels = ds.split_at(False, (48, 48), max_bytes=1000)
     whole = ds.split(False, (48, 48))[0]
@@ -299,7 +305,7 @@ def test_predict_refuses_a_size_that_cannot_fit_and_training_warns_up_front(fold
     from vitpe.errors import run_cli
 
     _, data, run = folder_run
-    monkeypatch.setattr(vitpe.engine, "memory_available", lambda device: 2**30)
+    monkeypatch.setattr(vitpe.engine, "memory_available", lambda device: 2**27)
     assert run_cli(predict_script.main, [str(data / "a" / "0.png"), "--run", str(run), "--size", "1024"]) == 2
     assert "resolution 1024x1024 needs about" in capsys.readouterr().err
     monkeypatch.setattr(train_script, "memory_available", lambda device: 1000)
@@ -337,3 +343,13 @@ def test_nan_and_ill_typed_values_are_one_line(tmp_path):
         train_script.main(["--config", TINY, "--set", "train.lr=.nan", "--out-dir", str(tmp_path)])
     with pytest.raises(ValueError, match=r"coord_aug takes numbers for shift, rescale and jitter"):
         vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, coord_aug={"rescale": [2, 1]})
+
+
+def test_attention_diagnostics_are_skipped_where_one_images_scores_cannot_fit(folder_run, tmp_path, monkeypatch, capsys):
+    _, _, run = folder_run
+    model, _ = vitpe.checkpoint.model_from_checkpoint(run)
+    monkeypatch.setattr(eval_script, "memory_available", lambda device: 2 * vitpe.engine.attention_bytes(model, (16, 16)))
+    assert eval_script.main([str(run), "--resolutions", "16", "32", "--diagnostics", "4", "--out", str(tmp_path / "d")]) == 0
+    rows = {r["resolution"]: r for r in json.loads((tmp_path / "d" / "results.json").read_text())}
+    assert "attn_distance" in rows["16"] and "attn_distance" not in rows["32"]
+    assert "no attention diagnostics at 32x32: one image's attention scores would take" in capsys.readouterr().err

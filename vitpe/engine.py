@@ -16,7 +16,7 @@ from .data.augment import normalize, tta_views
 from .errors import VitpeError
 
 __all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "Scores", "evaluate", "evaluate_native", "memory_available", "attention_bytes",
-           "memory_plan", "MemoryPlanError"]
+           "forward_bytes", "memory_plan", "MemoryPlanError"]
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -64,38 +64,57 @@ def memory_available(device: torch.device) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def attention_bytes(model: nn.Module, size: Sequence[int], patch_size: Optional[int] = None) -> int:
-    """Bytes one image of ``size = (h, w)`` holds at once in a vitpe ViT's attention, as a bound: every head's
-    query-key scores, their softmax and one more of their size in float32 (what a layer holds where attention is not
-    fused, as on CPU with a bias or for the attention diagnostics). It grows with the 4th power of the side."""
+def _tokens(model: nn.Module, size: Sequence[int], patch_size: Optional[int]) -> int:
     p = patch_size or model.patch_size
-    tokens = (size[0] // p) * (size[1] // p) + model.num_prefix_tokens
-    return 3 * 4 * model.blocks[0].attn.num_heads * tokens * tokens
+    return (size[0] // p) * (size[1] // p) + model.num_prefix_tokens
+
+
+def attention_bytes(model: nn.Module, size: Sequence[int], patch_size: Optional[int] = None) -> int:
+    """Bytes one image of ``size = (h, w)`` holds where a layer's attention is computed explicitly (the attention
+    diagnostics; autograd through an unfused kernel): every head's query-key scores, their softmax and one more of
+    their size in float32. It grows with the 4th power of the side."""
+    return 3 * 4 * model.blocks[0].attn.num_heads * _tokens(model, size, patch_size) ** 2
+
+
+def forward_bytes(model: nn.Module, size: Sequence[int], patch_size: Optional[int] = None) -> Tuple[int, int]:
+    """What a vitpe ViT's inference at ``size = (h, w)`` holds, as ``(shared, per_image)`` bytes: attention runs in
+    SDPA's fused kernel, so an image holds its activations (about 16 floats per token and channel, as a bound), and a
+    PE with an attention bias holds its table once per batch, one per block at most (heads x tokens^2 floats)."""
+    tokens, heads = _tokens(model, size, patch_size), model.blocks[0].attn.num_heads
+    biased = getattr(getattr(model, "pos_embed", None), "biased", True)  # unknown: as if it had one
+    return (4 * heads * tokens**2 * len(model.blocks) if biased else 0), 16 * 4 * tokens * model.embed_dim
 
 
 def memory_plan(model, sizes: List[Tuple[Tuple[int, int], Optional[int]]], batch_size: int, device: torch.device,
-                source: str) -> Dict[Tuple[int, int], int]:
+                source: str, train_size: Optional[Sequence[int]] = None) -> Dict[Tuple[int, int], int]:
     """Images per batch at each size ``(h, w)`` of ``sizes`` (each with the patch size it runs at, None: the model's), so
-    that a batch's attention (:func:`vitpe.engine.attention_bytes`) takes at most half the memory available now; a size
-    where one image cannot fit is refused here, before anything runs, with what it needs and the largest square size
-    that fits. Sizes whose batch had to shrink are said in one line."""
+    that a batch (:func:`forward_bytes`) takes at most half the memory available now; a size where one image cannot fit
+    is refused here, before anything runs, with what it needs and the largest square size that fits. Said in one line
+    each: sizes whose batch had to shrink, and sizes whose attention costs far more per image than at ``train_size``."""
     budget = memory_available(device) // 2
     out: Dict[Tuple[int, int], int] = {}
-    shrunk = []
+    shrunk, slow = [], []
     for hw, patch in sorted(dict.fromkeys(sizes), key=lambda s: s[1] or 0):  # the model's own patch (most tokens) first
-        need = attention_bytes(model, hw, patch)
         if hw in out:
             continue
-        if need > budget:
-            side = model.patch_size * int(((budget / (12 * model.blocks[0].attn.num_heads)) ** 0.5 - model.num_prefix_tokens) ** 0.5 // 1)
-            raise MemoryPlanError(f"resolution {hw[0]}x{hw[1]} needs about {need / 2**30:.1f} GiB for one image's attention in {source} "
-                                  f"({(hw[0] // model.patch_size) * (hw[1] // model.patch_size):,} tokens; it grows with the 4th power of "
-                                  f"the side) and {device} has {2 * budget / 2**30:.1f} GiB available; use sizes up to about {side}x{side}")
-        out[hw] = max(1, min(batch_size, budget // need))
+        shared, each = forward_bytes(model, hw, patch)
+        if shared + each > budget:
+            side = next(s for s in range(model.patch_size, 100_000, model.patch_size) if sum(forward_bytes(model, (s, s))) > budget)
+            raise MemoryPlanError(f"resolution {hw[0]}x{hw[1]} needs about {(shared + each) / 2**30:.1f} GiB for one image in {source} "
+                                  f"({_tokens(model, hw, patch):,} tokens) and {device} has {2 * budget / 2**30:.1f} GiB available; "
+                                  f"use sizes up to about {side - model.patch_size}x{side - model.patch_size}")
+        out[hw] = max(1, min(batch_size, (budget - shared) // each))
         if out[hw] < batch_size:
-            shrunk.append(f"{hw[0]}x{hw[1]}: {out[hw]} ({need / 2**20:,.0f} MiB each)")
+            shrunk.append(f"{hw[0]}x{hw[1]}: {out[hw]}")
+        if train_size is not None:
+            work = (_tokens(model, hw, patch) / _tokens(model, train_size, None)) ** 2
+            if work >= 100:
+                slow.append(f"{hw[0]}x{hw[1]} has {_tokens(model, hw, patch):,} tokens per image: {work:,.0f}x the attention work")
     if shrunk:
         print(f"note: {source}: images per batch lowered to fit memory at {'; '.join(shrunk)}", file=sys.stderr)
+    if slow:
+        print(f"note: {source}: {'; '.join(slow)} of the training size {train_size[0]}x{train_size[1]} "
+              f"({_tokens(model, train_size, None):,} tokens), and about as much more time per image", file=sys.stderr)
     return out
 
 

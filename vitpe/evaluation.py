@@ -33,7 +33,7 @@ from vitpe.config import Config, ConfigError
 from vitpe.coords import COORD_MODES, snap
 from vitpe.data import load_dataset
 from vitpe.data.augment import TTA_MODES, normalize
-from vitpe.engine import amp_dtype, autocast, evaluate, evaluate_native, memory_plan, resolve_device
+from vitpe.engine import amp_dtype, attention_bytes, autocast, evaluate, evaluate_native, memory_available, memory_plan, resolve_device
 from vitpe.errors import run_cli
 from vitpe.pos_embed import set_lookhere_slope, set_rope_extrapolation
 from vitpe.pos_embed.functional import ROPE_SCALINGS
@@ -180,11 +180,15 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
             with torch.no_grad(), autocast(device, dtype):  # the tokens the model computes with (content_keep selects)
                 tokens = model.embed(sample[:1], patch_size=patch)[0]
             res["tokens_per_image"] = tokens.shape[1] - model.num_prefix_tokens
-            if diagnostics:
+            budget = memory_available(device) // 2
+            if diagnostics and attention_bytes(model, (h, w), patch) > budget:  # the explicit scores of one image do not fit
+                print(f"note: no attention diagnostics at {h}x{w}: one image's attention scores would take "
+                      f"{attention_bytes(model, (h, w), patch) / 2**30:.1f} GiB", file=sys.stderr)
+            elif diagnostics:
                 from vitpe.viz import attention_stats
 
                 with autocast(device, dtype):
-                    stats = attention_stats(model, sample, patch_size=patch)
+                    stats = attention_stats(model, sample, patch_size=patch, max_bytes=budget)
                 extra = {f"attn_{k}": [None if math.isnan(v) else round(v, 4) for v in t.nanmean(1).tolist()] for k, t in stats.items()}
         name = "native" if route == "native" else f"{h}x{w}" if h != w else str(h)
         yield {"coord_mode": mode, "route": route, "resolution": name, "height": h, "width": w,
@@ -379,7 +383,8 @@ def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets
         raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
     return RunPlan(ckpt, model, state, cfg, ds, name, modes, routes, resolutions, controls,
                    memory_plan(model, [(hw, None) for hw in resolutions if "coords" in routes] + [(hw, hw[0] // ref_h) for hw in resolutions
-                                       if "patch" in routes and patch_fits(model, *hw)] + [((train_size,) * 2, None)], args.batch_size, device, str(ckpt)))
+                                       if "patch" in routes and patch_fits(model, *hw)] + [((train_size,) * 2, None)], args.batch_size, device, str(ckpt),
+                               (train_size,) * 2))
 
 
 def patch_fits(model, h: int, w: int) -> bool:

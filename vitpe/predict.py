@@ -91,7 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     data: Dict = state["data"]
     size = args.size or tuple(model.img_size)
     model.grid_size(size)  # one clear line for a size that is not a multiple of the patch size
-    batch = memory_plan(model, [(size, None)], 64, torch.device("cpu"), str(args.run))[size]  # refuses a size that cannot fit
+    batch = memory_plan(model, [(size, None)], 64, torch.device("cpu"), str(args.run), model.img_size)[size]  # refuses a size that cannot fit
     images = read_images(args.images, data["in_chans"], size)
     probs, index = predict(model, images, data["mean"], data["std"], args.top, batch)
     classes = data["classes"]

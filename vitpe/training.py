@@ -37,7 +37,7 @@ from vitpe.config import Config, ConfigError, apply_overrides, config_from_dict,
 from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, normalize
 from vitpe.data.mixed import draw_sizes, mixed_batch
-from vitpe.engine import Heartbeat, amp_dtype, attention_bytes, autocast, evaluate, memory_available, resolve_device, seed_step
+from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, forward_bytes, memory_available, resolve_device, seed_step
 from vitpe.errors import VitpeError, run_cli
 from vitpe.runs import CONFIG_NAME, LOCK_NAME, METRICS_CSV, METRICS_JSONL, RunError, RunLock, config_changes, create_run_dir, safe_name, write_metrics  # noqa: F401 (safe_name: public name)
 
@@ -320,12 +320,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     seed_step(cfg.train.seed)
     model_args = dict(vars(cfg.model), num_classes=ds.num_classes, in_chans=ds.in_chans)
     model = VisionTransformer(**model_args).to(device)
-    # What a step holds, as a bound: every layer's attention of every image in the batch, kept for the backward pass.
-    step_bytes = attention_bytes(model, (max(sizes),) * 2) * (cfg.train.batch_size // world) * len(model.blocks)
+    # What a step holds, as a bound: every block's activations of every image, kept for the backward pass, and the
+    # attention bias with its gradient.
+    shared, each = forward_bytes(model, (max(sizes),) * 2)
+    step_bytes = 2 * shared + each * len(model.blocks) * (cfg.train.batch_size // world)
     if step_bytes > memory_available(device):
-        log(f"warning: a training step at {max(sizes)} px may hold up to {step_bytes / 2**30:.1f} GiB of attention scores "
-            f"({cfg.train.batch_size // world} images x {len(model.blocks)} layers) and {device} has {memory_available(device) / 2**30:.1f} "
-            "GiB available; if it runs out of memory, lower train.batch_size or model.img_size, or raise model.patch_size")
+        log(f"warning: a training step at {max(sizes)} px may hold up to {step_bytes / 2**30:.1f} GiB ({cfg.train.batch_size // world} "
+            f"images x {len(model.blocks)} blocks) and {device} has {memory_available(device) / 2**30:.1f} GiB available; if it runs "
+            "out of memory, lower train.batch_size or model.img_size, or raise model.patch_size")
     optimizer = create_optimizer_v2(model, "adamw", lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     warmup = round(cfg.train.warmup_epochs * steps_per_epoch)
     budget = state.get("budget") if state is not None else None

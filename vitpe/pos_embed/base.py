@@ -187,6 +187,11 @@ class PosEmbed(nn.Module):
         """Whether this encoding rotates q and k (then it takes the extrapolation controls ``scaling``, ``p_rope``)."""
         return type(self).rope_angles is not PosEmbed.rope_angles or type(self).rope_rotations is not PosEmbed.rope_rotations
 
+    @property
+    def biased(self) -> bool:
+        """Whether this encoding adds an attention bias (a heads x tokens^2 table at every size: its memory cost)."""
+        return type(self).bias is not PosEmbed.bias
+
     def rope_mix(self) -> Optional[Tensor]:
         return None
 

@@ -111,6 +111,10 @@ class CombinedPosEmbed(PosEmbed):
     def rotary(self) -> bool:
         return any(p.rotary for p in self.parts)
 
+    @property
+    def biased(self) -> bool:
+        return any(p.biased for p in self.parts)
+
     @staticmethod
     def _sum(values: List[Optional[Tensor]]) -> Optional[Tensor]:
         values = [v for v in values if v is not None]
