@@ -168,7 +168,8 @@ def test_eval_lowers_the_batch_where_memory_is_short_and_makes_large_splits_batc
     plan = vitpe.engine.memory_plan(model, [((16, 16), None), ((64, 64), None), ((192, 192), 48)], 8, torch.device("cpu"), "run", (16, 16))
     assert plan == {(16, 16): 8, (64, 64): 3, (192, 192): 8}  # the patch route at 192 keeps the trained 4x4 grid
     err = capsys.readouterr().err
-    assert "images per batch lowered to fit memory at 64x64: 3" in err and "64x64 has 257 tokens per image: 229x the attention work of the training size 16x16 (17 tokens)" in err
+    assert "images per batch lowered to fit memory at 64x64: 3" in err
+    assert "64x64 has 257 tokens per image: 229x the attention work of the training size 16x16 (17 tokens)" in err
     rel = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, pos_embed="rel_bias")
     assert vitpe.engine.forward_bytes(rel, (64, 64))[0] == 4 * 2 * 257**2 * 2  # heads x tokens^2 floats, per block at most
     ds = load_dataset("shapes", train_size=8, test_size=40)

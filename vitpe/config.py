@@ -45,7 +45,9 @@ class ModelConfig:
     class_token: bool = True
     num_reg_tokens: int = 0
     pool: str = "cls"  # "cls" or "mean"
-    coord_mode: str = "interpolate"  # coordinates at new resolutions: "interpolate", "extrapolate", "normalize" (DINOv3's [-1, 1]) or "extend" (per axis: extrapolate if longer than trained, else interpolate)
+    # Coordinates at new resolutions: "interpolate", "extrapolate", "normalize" (DINOv3's [-1, 1]) or "extend" (per axis:
+    # extrapolate if longer than trained, else interpolate).
+    coord_mode: str = "interpolate"
     coord_aug: Dict[str, Any] = field(default_factory=dict)  # training-time {shift, rescale, jitter} (vitpe.CoordAugment)
     drop_rate: float = 0.0
     attn_drop_rate: float = 0.0
