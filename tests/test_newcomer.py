@@ -40,8 +40,15 @@ def test_ema_runs_say_whose_numbers_they_print_and_warn_about_schedules_that_can
 
 
 def test_no_warnings_for_a_sound_schedule():
-    cfg = load_config(TINY)
-    assert train_script.schedule_warnings(cfg, 8) == []
+    cfg = load_config(str(Path(TINY).parent / "shapes.yaml"))
+    assert train_script.schedule_warnings(cfg, 156, 5000) == []  # the main job: 8 epochs x 156 steps, 5,000 test images
+
+
+def test_warnings_where_the_numbers_say_a_run_cannot_work():
+    cfg = load_config(str(Path(TINY).parent / "shapes.yaml"))
+    few, small = train_script.schedule_warnings(cfg, 11, 30)  # 1,500 images in batches of 128: 88 steps; 30 test images
+    assert few.startswith("88 optimizer steps (8 epochs x 11) are far too few") and "--epochs 110" in few
+    assert small.startswith("the test split has 30 images: each is 3.3 points of top-1")
 
 
 def test_undertrained_hint():
@@ -51,6 +58,27 @@ def test_undertrained_hint():
     assert "--set train.budget_min=30" in train_script.undertrained_hint(rows, 10, 7, budget_min=15)  # a budget decided the epochs
     assert "near chance" in train_script.undertrained_hint([{"test_top1": 0.12}], 10, 1)
     assert train_script.undertrained_hint([{"test_top1": 0.90}, {"test_top1": 0.905}], 10, 7) is None
+    # A climb that the last epoch's dip hides (38.05% after 39.06%) is read from the trend, with the command to go on.
+    climb = [{"train_acc": a, "test_top1": t} for a, t in ((0.20, 0.21), (0.27, 0.30), (0.33, 0.35), (0.37, 0.3906), (0.40, 0.3805))]
+    hint = train_script.undertrained_hint(climb, 10, 8, run=Path("runs/r"))
+    assert "over the last 3 epochs (their trend): the run stopped while still learning" in hint
+    assert hint.endswith("python train.py --config runs/r/config.yaml --epochs 16 --name r-longer")
+    flat = [{"train_acc": 0.95, "test_top1": t} for t in (0.90, 0.91, 0.90, 0.905, 0.90)]
+    assert train_script.undertrained_hint(flat, 10, 8) is None
+
+
+def test_a_schedule_sized_by_work_on_data_the_recipe_was_not_written_for():
+    recipe = load_config(str(Path(TINY).parent / "shapes.yaml"))  # 8 epochs of 156 steps on shapes' 20,000 images
+    assert train_script.recipe_steps(recipe) == 1248
+    folder = train_script.apply_overrides(recipe, ["data.name=imagefolder:x"])
+    line = train_script.work_schedule(recipe, folder, ["data.name=imagefolder:x"], 11, 1500)
+    assert folder.train.epochs == 114 and folder.train.warmup_epochs == round(0.3 * 156 / 11, 3)
+    assert line.startswith("schedule sized by work: the recipe was written for shapes (8 epochs = 1,248 optimizer steps); "
+                           "1,500 training images make 11 steps an epoch, so 114 epochs (1,254 steps")
+    for chosen in (["train.epochs=5"], ["train.budget_min=3"]):  # the user's choice stands
+        cfg = train_script.apply_overrides(recipe, ["data.name=imagefolder:x", *chosen])
+        assert train_script.work_schedule(recipe, cfg, ["data.name=imagefolder:x", *chosen], 11, 1500) is None
+    assert train_script.work_schedule(recipe, recipe, [], 156, 20000) is None  # the recipe's own data
 
 
 def test_the_last_lines_say_what_position_bought_and_compare_with_the_measured_none(tmp_path):

@@ -36,6 +36,7 @@ from vitpe.checkpoint import CHECKPOINT_NAME, CheckpointError, check_classes, lo
 from vitpe.config import Config, ConfigError, apply_overrides, config_from_dict, load_config, save_config, train_resolutions
 from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, normalize
+from vitpe.data.datasets import TRAIN_SIZES
 from vitpe.data.mixed import draw_sizes, mixed_batch
 from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, forward_bytes, memory_available, resolve_device, seed_step
 from vitpe.errors import VitpeError, run_cli
@@ -69,11 +70,16 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_config(args: argparse.Namespace) -> Config:
-    cfg = load_config(args.config or str(DEFAULT_CONFIG))
+def cli_overrides(args: argparse.Namespace) -> List[str]:
+    """The ``key=value`` overrides the command line gives, its shortcuts (``--data``, ``--epochs``, ...) included."""
     shortcuts = [("data.name", args.data), ("data.data_dir", args.data_dir), ("model.pos_embed", args.pe),
                  ("train.epochs", args.epochs), ("name", args.name), ("out_dir", args.out_dir)]
-    overrides = [f"{k}={v}" for k, v in shortcuts if v is not None] + args.overrides
+    return [f"{k}={v}" for k, v in shortcuts if v is not None] + args.overrides
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    cfg = load_config(args.config or str(DEFAULT_CONFIG))
+    overrides = cli_overrides(args)
     cfg = apply_overrides(cfg, overrides)
     if cfg.train.budget_min is not None and any(o.split("=", 1)[0].strip() == "train.epochs" for o in overrides):
         raise ConfigError(f"train.epochs was given but train.budget_min={cfg.train.budget_min:g} decides the epochs; drop one "
@@ -178,10 +184,51 @@ class Progress:
         return f"; rank {', '.join(map(str, behind))} stopped answering at epoch {at[behind[0]][0] + 1} step {at[behind[0]][1]}"
 
 
-def schedule_warnings(cfg: Config, steps_per_epoch: int) -> List[str]:
-    """What cannot work as configured in the learning-rate schedule and the EMA, in one line each (the run still starts)."""
+FEW_STEPS = 400  # optimizer steps below which a ViT trained from scratch has barely left its warm-up (the main job takes 1,248)
+
+
+def recipe_steps(recipe: Config) -> Optional[int]:
+    """The optimizer steps a recipe takes on the data it was written for (its epochs x that data's steps per epoch);
+    None where that data's size is not known without reading it (an image folder)."""
+    size = recipe.data.train_size or TRAIN_SIZES.get(recipe.data.name)
+    if size is None:
+        return None
+    return recipe.train.epochs * max(1, size // recipe.train.batch_size)
+
+
+def work_schedule(recipe: Config, cfg: Config, overrides: Sequence[str], steps_per_epoch: int, n_train: int) -> Optional[str]:
+    """On data the recipe was not written for, when the user chose no epochs (nor a budget): the recipe's work in
+    optimizer steps rather than its epochs, since an epoch of a small folder is a handful of steps. Sets
+    ``cfg.train.epochs`` and ``warmup_epochs`` (the recipe's warm-up steps) and returns the line that says so; None
+    where the recipe's own schedule stands."""
+    chosen = {o.split("=", 1)[0].strip() for o in overrides}
+    steps = recipe_steps(recipe)
+    if cfg.data.name == recipe.data.name or steps is None or {"train.epochs", "train.budget_min"} & chosen or cfg.train.budget_min:
+        return None
+    epochs = max(1, math.ceil(steps / steps_per_epoch))
+    warmup_steps = recipe.train.warmup_epochs * max(1, (recipe.data.train_size or TRAIN_SIZES[recipe.data.name]) // recipe.train.batch_size)
+    cfg.train.epochs = epochs
+    if "train.warmup_epochs" not in chosen:
+        cfg.train.warmup_epochs = round(warmup_steps / steps_per_epoch, 3)
+    return (f"schedule sized by work: the recipe was written for {recipe.data.name} ({recipe.train.epochs} epochs = {steps:,} optimizer "
+            f"steps); {n_train:,} training images make {steps_per_epoch} steps an epoch, so {epochs} epochs ({epochs * steps_per_epoch:,} "
+            f"steps, warm-up {cfg.train.warmup_epochs:g} epochs); --epochs N chooses")
+
+
+def schedule_warnings(cfg: Config, steps_per_epoch: int, n_test: Optional[int] = None) -> List[str]:
+    """What cannot work as configured in the learning-rate schedule and the EMA, or be read from the test split, in
+    one line each (the run still starts)."""
     t, total = cfg.train, cfg.train.epochs * steps_per_epoch
     out = []
+    if total < FEW_STEPS:
+        more = math.ceil(FEW_STEPS * 3 / steps_per_epoch)
+        out.append(f"{total} optimizer steps ({t.epochs} epochs x {steps_per_epoch}) are far too few for a ViT to learn from scratch "
+                   f"(the main job takes 1,248): expect a score near chance or far below what the data allows; train longer "
+                   f"(e.g. --epochs {more}) or lower train.batch_size")
+    if n_test is not None and n_test < 200:
+        spread = 100 * (0.25 / n_test) ** 0.5  # the standard error of a top-1 near 50%
+        out.append(f"the test split has {n_test} images: each is {100 / n_test:.1f} points of top-1, and scores differ by about "
+                   f"{spread:.0f} points between equally good models; give more test images (a test/ or val/ folder) to compare runs")
     if t.warmup_epochs >= t.epochs:
         out.append(f"train.warmup_epochs={t.warmup_epochs:g} covers the whole {t.epochs}-epoch run: the learning rate never "
                    "leaves warm-up and never decays; lower train.warmup_epochs")
@@ -205,15 +252,35 @@ def _quiet(logger: str):
         log.setLevel(level)
 
 
-def undertrained_hint(rows: List[Dict[str, Any]], num_classes: int, epochs: int, budget_min: Optional[float] = None) -> Optional[str]:
-    """A line when a finished run's metrics say it stopped too early: still climbing, or near chance."""
+def trend(values: Sequence[float]) -> float:
+    """Least-squares slope of ``values`` per step: a climb that one noisy last epoch cannot hide."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, statistics.fmean(values)
+    den = sum((i - mean_x) ** 2 for i in range(n))
+    return sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values)) / den if den else 0.0
+
+
+def undertrained_hint(rows: List[Dict[str, Any]], num_classes: int, epochs: int, budget_min: Optional[float] = None,
+                      run: Optional[Path] = None) -> Optional[str]:
+    """A line when a finished run's metrics say it stopped too early: training or test accuracy still climbing by the
+    trend of the last epochs (a fifth of the run, at least 3; one noisy last epoch neither hides nor fakes a climb),
+    or near chance. It names the command for a longer run with the same settings."""
     if not rows:
         return None
     last, chance = rows[-1]["test_top1"], 1 / num_classes
-    if len(rows) >= 2 and last - rows[-2]["test_top1"] > 0.01:
-        more = f"--set train.budget_min={2 * budget_min:g}" if budget_min else f"--epochs {2 * epochs}"
+    more = f"--set train.budget_min={2 * budget_min:g}" if budget_min else f"--epochs {2 * epochs}"
+    again = (f"python train.py --config {run / CONFIG_NAME} {more} --name {run.name}-longer" if run is not None
+             else f"a new run with {more}")
+    k = max(3, len(rows) // 5)
+    if len(rows) >= 3:
+        window = rows[-k:]
+        gains = {name: 100 * trend([r[key] for r in window]) * (len(window) - 1) for name, key in (("training", "train_acc"), ("test", "test_top1"))}
+        if gains["training"] > 2 or gains["test"] > 1:
+            return (f"training accuracy rose {gains['training']:+.1f} and test top-1 {gains['test']:+.1f} points over the last {len(window)} "
+                    f"epochs (their trend): the run stopped while still learning; a longer one should do better: {again}")
+    elif len(rows) == 2 and last - rows[-2]["test_top1"] > 0.01:
         return (f"test top-1 still rose {100 * (last - rows[-2]['test_top1']):.1f} points in the last epoch: this run is probably "
-                f"undertrained; a new run with more epochs (e.g. {more}) should do better")
+                f"undertrained; a longer one should do better: {again}")
     if last < 1.5 * chance:
         return f"test top-1 {100 * last:.1f}% is near chance ({100 * chance:.1f}%): the model has not learned yet; train longer or raise train.lr"
     return None
@@ -308,6 +375,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     steps_per_epoch = len(train_y) // cfg.train.batch_size
     if steps_per_epoch == 0:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the {len(train_y)} training images")
+    if state is None:
+        line = work_schedule(load_config(args.config or str(DEFAULT_CONFIG)), cfg, cli_overrides(args), steps_per_epoch, len(train_y))
+        if line:
+            log(line)
     total_steps = cfg.train.epochs * steps_per_epoch
 
     # ---- model, optimiser, schedule ----------------------------------------------------------------
@@ -331,7 +402,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     optimizer = create_optimizer_v2(model, "adamw", lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     warmup = round(cfg.train.warmup_epochs * steps_per_epoch)
     budget = state.get("budget") if state is not None else None
-    for line in schedule_warnings(cfg, steps_per_epoch) if not cfg.train.budget_min or budget else []:  # else: once the budget sets the epochs
+    for line in schedule_warnings(cfg, steps_per_epoch, len(test_y)) if not cfg.train.budget_min or budget else []:  # else: once the budget sets the epochs
         log(f"warning: {line}")
     with _quiet("timm.scheduler.cosine_lr"):  # its "no effect" notice, said above in vitpe's words
         scheduler = CosineLRScheduler(optimizer, t_initial=max(total_steps - warmup, 1), lr_min=cfg.train.min_lr, warmup_t=warmup,
@@ -491,7 +562,7 @@ class Job:
         if epochs * epoch_images / rate < 30 * cfg.train.budget_min:
             self.log("warning: fewer than half the budget's minutes go to steps (one epoch takes longer than the rest); "
                      "use a subset (data.train_size) or a smaller model")
-        for line in schedule_warnings(cfg, self.steps_per_epoch):
+        for line in schedule_warnings(cfg, self.steps_per_epoch, len(self.test_y)):
             self.log(f"warning: {line}")
 
     def kept(self) -> str:
@@ -699,7 +770,7 @@ def train_loop(job: Job) -> int:
             f"  evaluate at other resolutions: python eval.py {run}")
         for line in learned_lines(job.rows[-1], job.ds, cfg, reference_results(cfg)):
             log(line)
-        hint = undertrained_hint(job.rows, job.ds.num_classes, cfg.train.epochs, cfg.train.budget_min)
+        hint = undertrained_hint(job.rows, job.ds.num_classes, cfg.train.epochs, cfg.train.budget_min, run)
         if hint:
             log(f"note: {hint}")
     return 0

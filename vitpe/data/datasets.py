@@ -24,7 +24,7 @@ from ..suggest import did_you_mean
 from .images import DataError, FolderImages, digest_of, drop_copies_of, read_folder
 from .shapes import POSITION_CLASSES, SHAPES_CLASSES, render_shapes, shapes_params
 
-__all__ = ["DataError", "ImageDataset", "load_dataset", "resize_images", "DEBIAN_FASHION_MNIST", "SHAPES_SEED"]
+__all__ = ["DataError", "ImageDataset", "load_dataset", "resize_images", "DEBIAN_FASHION_MNIST", "SHAPES_SEED", "TRAIN_SIZES"]
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 _FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -122,6 +122,10 @@ class LazySplit:
         return resize_images(self.ds.split(self.train)[0][index], self.size)
 
 
+# Training images of each built-in dataset when data.train_size does not choose (what a recipe's epochs are counted in).
+TRAIN_SIZES = {"shapes": 20000, "fashion_mnist": 60000, "cifar10": 50000, "cifar100": 50000}
+
+
 def _subset(x: Tensor, y: Tensor, n: Optional[int]) -> Tuple[Tensor, Tensor]:
     return (x, y) if n is None or n >= len(y) else (x[:n], y[:n])
 
@@ -131,7 +135,7 @@ SHAPES_SEED = {True: 0, False: 1}  # the train and test splits' seeds: every run
 
 
 def _shapes(data_dir: Path, train_size: Optional[int], test_size: Optional[int]) -> ImageDataset:
-    sizes = {True: train_size or 20000, False: test_size or 5000}
+    sizes = {True: train_size or TRAIN_SIZES["shapes"], False: test_size or 5000}
     params = {}
 
     def params_of(train: bool) -> dict:
