@@ -552,7 +552,7 @@ def test_per_image_smoke(tmp_path):
 def test_per_image_coord_aug_times_every_family_the_study_augments():
     import vitpe
 
-    # The cost column of the README's "+ coord_aug" rows comes from this part: by default it times each of them.
+    # The cost column of docs/which_pe.md's "+ coord_aug" rows comes from this part: by default it times each of them.
     pes = load_benchmark("per_image").study_aug_pes()
     assert set(pes) == set(vitpe.list_pos_embeds()) - {"none", "peg"} and len(pes) == len(set(pes))
 

@@ -67,9 +67,15 @@ def test_undertrained_hint():
     assert train_script.undertrained_hint(flat, 10, 8) is None
 
 
+def test_the_main_jobs_recipe_finds_its_measured_reference():
+    """The main job's last lines compare with pos_embed=none as measured (vitpe/reference_runs.json): a config key added
+    since then takes its default there, so the recipe still matches."""
+    assert train_script.reference_results(load_config(str(Path(TINY).parent / "shapes.yaml"))) is not None
+
+
 def test_a_schedule_sized_by_work_on_data_the_recipe_was_not_written_for():
     recipe = load_config(str(Path(TINY).parent / "shapes.yaml"))  # 8 epochs of 156 steps on shapes' 20,000 images
-    assert train_script.recipe_steps(recipe) == 1248
+    assert train_script.recipe_work(recipe)[:2] == (1248, 0.3 * 156)
     folder = train_script.apply_overrides(recipe, ["data.name=imagefolder:x"])
     line = train_script.work_schedule(recipe, folder, ["data.name=imagefolder:x"], 11, 1500)
     assert folder.train.epochs == 114 and folder.train.warmup_epochs == round(0.3 * 156 / 11, 3)
@@ -79,6 +85,11 @@ def test_a_schedule_sized_by_work_on_data_the_recipe_was_not_written_for():
         cfg = train_script.apply_overrides(recipe, ["data.name=imagefolder:x", *chosen])
         assert train_script.work_schedule(recipe, cfg, ["data.name=imagefolder:x", *chosen], 11, 1500) is None
     assert train_script.work_schedule(recipe, recipe, [], 156, 20000) is None  # the recipe's own data
+    steps = train_script.apply_overrides(recipe, ["data.name=imagefolder:x", "train.steps=2000", "train.warmup_steps=100"])
+    line = train_script.work_schedule(recipe, steps, ["data.name=imagefolder:x", "train.steps=2000", "train.warmup_steps=100"], 23, 3000)
+    assert steps.train.epochs == 87 and steps.train.warmup_epochs == round(100 / 23, 3) and line.startswith("schedule sized by work: train.steps=2,000;")
+    with pytest.raises(train_script.ConfigError, match="both decide the epochs"):
+        train_script.apply_overrides(recipe, ["train.steps=2000", "train.budget_min=3"])
 
 
 def test_the_last_lines_say_what_position_bought_and_compare_with_the_measured_none(tmp_path):

@@ -1,4 +1,5 @@
-"""The README's Python examples run as written, its commands name files that exist, and its study table is the record."""
+"""The manual's Python examples (README.md and the docs/ pages) run as written, its commands name files that exist, and
+the "which PE" tables are the study's record."""
 import json
 import re
 from pathlib import Path
@@ -7,22 +8,25 @@ import pytest
 from conftest import ROOT, load_benchmark
 
 README = (ROOT / "README.md").read_text()
-BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCKS = [(page.relative_to(ROOT), i, block) for page in PAGES
+          for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S))]
 
 
-@pytest.mark.parametrize("i", range(len(BLOCKS)))
-def test_readme_python_block_runs(i, capsys):
-    exec(compile(BLOCKS[i], f"README.md block {i}", "exec"), {"__name__": "__readme__"})
+@pytest.mark.parametrize("where,i,block", BLOCKS, ids=[f"{w}#{i}" for w, i, _ in BLOCKS])
+def test_manual_python_block_runs(where, i, block, capsys):
+    exec(compile(block, f"{where} block {i}", "exec"), {"__name__": "__readme__"})
     printed = capsys.readouterr().out
-    for expected in re.findall(r"print\(.*\)  # (.*)", BLOCKS[i]):  # "# result" comments are checked
+    for expected in re.findall(r"print\(.*\)  +# (.*)", block):  # "# result" comments are checked
         assert expected in printed
 
 
 def test_readme_names_two_setup_commands_and_existing_configs():
     assert "bash scripts/setup.sh && .venv/bin/python train.py" in README
     assert "bash scripts/setup.sh && .venv/bin/python -m pytest -q" in README
-    for cfg in set(re.findall(r"configs/\w+\.yaml", README)):
-        assert (ROOT / cfg).is_file(), cfg
+    for page in PAGES:
+        for cfg in set(re.findall(r"configs/\w+\.yaml", page.read_text())):
+            assert (ROOT / cfg).is_file(), (page.name, cfg)
     assert "bash scripts/setup.sh && .venv/bin/python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
 
 
@@ -45,9 +49,11 @@ CHEAP = [
 
 
 def readme_commands():
+    """Every command of the manual's bash blocks, README and docs/ pages alike."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
-        out += [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    for page in PAGES:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+            out += [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
     return out
 
 
@@ -58,7 +64,7 @@ def test_readme_cheap_shell_commands_run_exactly_as_written(tmp_path):
 
     commands = readme_commands()
     missing = [c for c in CHEAP if c not in commands]
-    assert not missing, f"README no longer has {missing}: update CHEAP"
+    assert not missing, f"the manual no longer has {missing}: update CHEAP"
     for name in ("train.py", "eval.py", "configs"):
         (tmp_path / name).symlink_to(ROOT / name)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONWARNINGS": "ignore"}
@@ -78,8 +84,8 @@ def test_readme_cheap_shell_commands_run_exactly_as_written(tmp_path):
 
 
 def test_which_pe_table_is_the_study_record():
-    """Every accuracy in the README's "Which PE should I use" tables is its row's cell in the committed study record
-    (docs/resolution_transfer/results.json, `shapes`), rounded as the report rounds: a typed-in number that drifts
+    """Every accuracy in the "Which PE should I use" tables (docs/which_pe.md) is its row's cell in the committed study
+    record (docs/resolution_transfer/results.json, `shapes`), rounded as the report rounds: a typed-in number that drifts
     from the record, or a ± that the seeds do not back, fails here."""
     rt = load_benchmark("resolution_transfer")
     group = rt.cells(rt.load_results(ROOT / "docs" / "resolution_transfer"))
@@ -88,7 +94,7 @@ def test_which_pe_table_is_the_study_record():
         m, sd = rt.mean_sd(values)
         return f"{m:+.1f}" if len(values) == 1 else f"{m:+.1f} ± {sd:.1f}"
 
-    section = README.split("## Which PE should I use")[1].split("\n## ")[0]
+    section = (ROOT / "docs" / "which_pe.md").read_text()
     # Two tables: the rows trained at several sizes (their header says so), then those trained at 32 px only.
     tables = [block.splitlines() for block in re.findall(r"^\|.*?(?=\n\n|\Z)", section, flags=re.S | re.M)]
     multires = [t for t in tables if "trained at 16-64 px" in t[0]]

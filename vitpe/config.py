@@ -94,6 +94,10 @@ class TrainConfig:
     # Fit the run into this many minutes of training steps: train.epochs becomes the most whole epochs that fit at the
     # step rate measured in the run's first steps (recorded in its config.yaml).
     budget_min: Optional[float] = None
+    # Train for about this many optimizer steps, whatever the data's size: train.epochs becomes the steps over the steps
+    # per epoch, rounded up (a recipe for image folders of any size). train.warmup_steps: its warm-up (default: 5%).
+    steps: Optional[int] = None
+    warmup_steps: Optional[int] = None
     dist_timeout_s: float = 600.0  # torchrun: a rank that does not answer for this long stops the run with a message
 
 
@@ -222,7 +226,8 @@ def _validate(cfg: Config) -> None:
         ("train.label_smoothing", t.label_smoothing, 0, 1, True, False), ("train.grad_clip", t.grad_clip, 0, None, True, True),
         ("train.ema_decay", t.ema_decay, 0, 1, True, False), ("train.eval_batch_size", t.eval_batch_size, 1, None, True, True),
         ("train.time_limit_min", t.time_limit_min, 0, None, False, True), ("train.token_keep", t.token_keep, 0, 1, False, True),
-        ("train.budget_min", t.budget_min, 0, None, False, True),
+        ("train.budget_min", t.budget_min, 0, None, False, True), ("train.steps", t.steps, 1, None, True, True),
+        ("train.warmup_steps", t.warmup_steps, 0, None, True, True),
         ("train.max_tokens", t.max_tokens, 1, None, True, True), ("train.dist_timeout_s", t.dist_timeout_s, 0, None, False, True),
     ]
     for key, value, lo, hi, lo_in, hi_in in ranges:
@@ -233,6 +238,8 @@ def _validate(cfg: Config) -> None:
         if below or above or value != value:  # NaN compares false with everything: out of every range
             span = f"{'[' if lo_in else '('}{lo}, {hi if hi is not None else 'inf'}{']' if hi_in and hi is not None else ')'}"
             raise ConfigError(f"{key}={value} is out of range; it must be in {span}")
+    if t.steps is not None and t.budget_min is not None:
+        raise ConfigError(f"train.steps={t.steps} and train.budget_min={t.budget_min:g} both decide the epochs; drop one")
     if m.embed_dim % m.num_heads:
         raise ConfigError(f"model.embed_dim={m.embed_dim} must be divisible by model.num_heads={m.num_heads}")
     p = cfg.model.patch_size
