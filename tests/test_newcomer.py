@@ -197,3 +197,28 @@ def test_two_evaluations_in_the_same_second_get_their_own_directories(tmp_path, 
     for _ in range(2):
         assert eval_script.main([str(out / "e"), "--resolutions", "16"]) == 0
     assert sorted(p.name for p in (out / "e").glob("eval-*")) == ["eval-20261122-120000", "eval-20261122-120000-2"]
+
+
+def test_the_folder_recipe_trains_a_folder_by_steps_and_the_study_table_reads_its_record(tmp_path, capsys):
+    import numpy as np
+    from conftest import load_benchmark
+    from PIL import Image
+
+    for c in ("a", "b"):
+        (tmp_path / "imgs" / c).mkdir(parents=True)
+        for j in range(20):
+            arr = np.full((20, 20, 3), 60 + 120 * (c == "b"), dtype=np.uint8)
+            arr[j % 20, : 20 - j // 20] = 255
+            Image.fromarray(arr).save(tmp_path / "imgs" / c / f"{j}.png")
+    folder_yaml = str(Path(TINY).parent / "folder.yaml")
+    assert train_script.main(["--config", folder_yaml, "--data", f"imagefolder:{tmp_path / 'imgs'}", "--set", "train.steps=12",
+                              "--set", "train.warmup_steps=2", "--set", "train.batch_size=8", "--set", "model.depth=1",
+                              "--out-dir", str(tmp_path / "runs"), "--name", "f"]) == 0
+    assert ("schedule sized by work: train.steps=12; 36 training images make 4 steps an epoch, so 3 epochs (12 steps, "
+            "warm-up 0.5 epochs)") in capsys.readouterr().out
+    assert load_config(str(tmp_path / "runs" / "f" / "config.yaml")).train.epochs == 3  # the decision is kept for --resume
+    sf = load_benchmark("small_folders")
+    record = tmp_path / "r.csv"
+    record.write_text("folder,row,seed,epochs,steps,train_s,top1,args,when\n"
+                      "digits,plain,0,114,1254,180.6,0.9865,,x\ndigits,plain,1,114,1254,180.3,0.9933,,x\n")
+    assert "| digits | plain | 2 | 114 | 1254 | 180-181 | 99.0 ± 0.5 (min 98.7) |" in sf.table(record)
