@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from .data.augment import normalize, tta_views
 from .errors import VitpeError
 
-__all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "Scores", "evaluate", "evaluate_native", "memory_available", "attention_bytes",
-           "forward_bytes", "memory_plan", "MemoryPlanError"]
+__all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "Scores", "evaluate", "evaluate_native", "memory_available",
+           "score_bytes", "attention_bytes", "forward_bytes", "memory_plan", "MemoryPlanError"]
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -69,11 +69,15 @@ def _tokens(model: nn.Module, size: Sequence[int], patch_size: Optional[int]) ->
     return (size[0] // p) * (size[1] // p) + model.num_prefix_tokens
 
 
+def score_bytes(heads: int, tokens: int) -> int:
+    """Bytes one image holds where a layer's attention is computed explicitly (the attention diagnostics; autograd
+    through an unfused kernel): every head's query-key scores, their softmax and one more of their size in float32."""
+    return 3 * 4 * heads * tokens * tokens
+
+
 def attention_bytes(model: nn.Module, size: Sequence[int], patch_size: Optional[int] = None) -> int:
-    """Bytes one image of ``size = (h, w)`` holds where a layer's attention is computed explicitly (the attention
-    diagnostics; autograd through an unfused kernel): every head's query-key scores, their softmax and one more of
-    their size in float32. It grows with the 4th power of the side."""
-    return 3 * 4 * model.blocks[0].attn.num_heads * _tokens(model, size, patch_size) ** 2
+    """:func:`score_bytes` of one image of ``size = (h, w)``: it grows with the 4th power of the side."""
+    return score_bytes(model.blocks[0].attn.num_heads, _tokens(model, size, patch_size))
 
 
 def forward_bytes(model: nn.Module, size: Sequence[int], patch_size: Optional[int] = None) -> Tuple[int, int]:

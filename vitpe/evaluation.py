@@ -180,10 +180,10 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
             with torch.no_grad(), autocast(device, dtype):  # the tokens the model computes with (content_keep selects)
                 tokens = model.embed(sample[:1], patch_size=patch)[0]
             res["tokens_per_image"] = tokens.shape[1] - model.num_prefix_tokens
-            budget = memory_available(device) // 2
-            if diagnostics and attention_bytes(model, (h, w), patch) > budget:  # the explicit scores of one image do not fit
-                print(f"note: no attention diagnostics at {h}x{w}: one image's attention scores would take "
-                      f"{attention_bytes(model, (h, w), patch) / 2**30:.1f} GiB", file=sys.stderr)
+            budget, scores = memory_available(device) // 2, attention_bytes(model, (h, w), patch)
+            if diagnostics and scores > budget:  # the explicit scores of one image do not fit
+                print(f"note: no attention diagnostics at {h}x{w}: one image's attention scores would take {scores / 2**30:.1f} GiB",
+                      file=sys.stderr)
             elif diagnostics:
                 from vitpe.viz import attention_stats
 

@@ -409,10 +409,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     # What a step holds, as a bound: every block's activations of every image, kept for the backward pass, and the
     # attention bias with its gradient.
     shared, each = forward_bytes(model, (max(sizes),) * 2)
-    step_bytes = 2 * shared + each * len(model.blocks) * (cfg.train.batch_size // world)
-    if step_bytes > memory_available(device):
+    step_bytes, available = 2 * shared + each * len(model.blocks) * (cfg.train.batch_size // world), memory_available(device)
+    if step_bytes > available:
         log(f"warning: a training step at {max(sizes)} px may hold up to {step_bytes / 2**30:.1f} GiB ({cfg.train.batch_size // world} "
-            f"images x {len(model.blocks)} blocks) and {device} has {memory_available(device) / 2**30:.1f} GiB available; if it runs "
+            f"images x {len(model.blocks)} blocks) and {device} has {available / 2**30:.1f} GiB available; if it runs "
             "out of memory, lower train.batch_size or model.img_size, or raise model.patch_size")
     optimizer = create_optimizer_v2(model, "adamw", lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     warmup = round(cfg.train.warmup_epochs * steps_per_epoch)

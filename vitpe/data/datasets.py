@@ -305,7 +305,7 @@ def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int]
     classes, notes = parts[True].classes, parts[True].notes + parts[False].notes
     splits, natives = {}, {}
     for is_train, part in parts.items():
-        n = len(part.labels) if (train_size if is_train else test_size) is None else min(len(part.labels), train_size if is_train else test_size)
+        n = len(part.labels) if (limit := train_size if is_train else test_size) is None else min(len(part.labels), limit)
         if n == 0:
             why = f" ({' / '.join(part.notes)})" if part.notes else ""
             raise DataError(f"imagefolder {root}: the {'training' if is_train else 'test'} split has no images{why}; add some")

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..coords import PatchGrid, Size2, grid_cells, to_2tuple
+from ..engine import score_bytes
 from ..pos_embed import PosEmbed
 from ..vit import VisionTransformer
 
@@ -110,7 +111,7 @@ def attention_stats(model: VisionTransformer, images: Tensor, patch_size: Option
     dist_sum, dist_n, ent_sum, ent_norm_sum = (torch.zeros(depth, heads, dtype=torch.float64) for _ in range(4))
     queries = 0
     keys = model.embed(images[:1], patch_size=patch_size)[0].shape[1]
-    chunk = max(1, min(chunk, max_bytes // (3 * 4 * heads * keys * keys)))  # logits, softmax and a product alive at once
+    chunk = max(1, min(chunk, max_bytes // score_bytes(heads, keys)))  # logits, softmax and a product alive at once
     for s in range(0, len(images), chunk):
         x, pos = model.embed(images[s : s + chunk], patch_size=patch_size)
         grid = pos.grid
