@@ -6,21 +6,23 @@ route and the RoPE extrapolation controls, with each layer's attention distance 
 
     python benchmarks/resolution_transfer.py --data shapes --seeds 0 1 2          # every row of one dataset
     python benchmarks/resolution_transfer.py --data shapes --rows rope_axial rope_axial:multires --seeds 0
-    python benchmarks/resolution_transfer.py --report                             # tables and plots from results.json
+    python benchmarks/resolution_transfer.py --report                             # tables and plots from the record
     python benchmarks/resolution_transfer.py --smoke                              # seconds: checks the script still runs
     python benchmarks/resolution_transfer.py --jobs 2 --data shapes --seeds 1 2   # two runs at a time, a core each
-    python benchmarks/resolution_transfer.py --park                               # unfinished (or unevaluated) runs into OUT/parked, to commit
+    python benchmarks/resolution_transfer.py --park --park-dir /shared/parked     # unfinished (or unevaluated) runs, for the next machine
 
 A row is a family name, or ``FAMILY:aug`` (``model.coord_aug`` = AUG below, a draw per image), ``FAMILY:augbatch`` (the
 same, one draw per batch: the default for PER_BATCH_ONLY, whose draw per image costs 9-35 times their training) or
 ``FAMILY:multires`` (``train.resolution_range`` = half to twice the training size). The recipe of every row of a dataset is one config,
 ``configs/study_DATA.yaml``. Runs go to OUT/runs/DATA-ROW-seedS-eEPOCHS: a finished run is reused and an interrupted
 one resumed (one trained with another config than asked for is refused, never reused), and each run's rows are
-merged into OUT/results.json (and the report rewritten) as soon as it is measured, so the study can be stopped and
-restarted at any point, across sessions. The runs are git-ignored; OUT/trained.json, committed, records each run's
+merged into OUT/results.csv (and the report rewritten) as soon as it is measured, so the study can be stopped and
+restarted at any point, across sessions. The runs are git-ignored; OUT/runs.jsonl, committed, records each run's
 config and convergence, so that on another machine a seed already measured with this recipe is not trained again.
 A run longer than a machine is kept: stop the study (it saves at a step boundary), ``--park`` copies every unfinished
-run (and every finished one not yet evaluated) to OUT/parked, commit it, and the study on the next machine goes on from there (removing the copy once it ends).
+run (and every finished one not yet evaluated) to PARK_DIR, a folder outside the repository that the next machine can
+read (checkpoints never go into git), and the study there, given the same --park-dir, goes on from there (removing the
+copy once it ends).
 
 Convergence: a run has converged when its test top-1 rose by less than CONVERGED_POINTS over the last fifth of its
 epochs. A run that has not is trained again from scratch with twice the epochs, up to --max-epochs (by default
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import json
 import math
 import os
@@ -56,7 +59,7 @@ from vitpe.checkpoint import CHECKPOINT_NAME, checkpoint_config, load_checkpoint
 from vitpe.config import apply_overrides, load_config
 from vitpe.coords import snap
 from vitpe.evaluation import DEFAULT_ASPECTS, dataset_of, evaluate_at
-from vitpe.runs import RunError, config_changes, park_run, safe_name, train_or_reuse, unpark_run, write_csv
+from vitpe.runs import RunError, config_changes, park_run, safe_name, train_or_reuse, unpark_run
 from vitpe.timing import usable_cores
 from vitpe.training import parse_args, resolve_config
 
@@ -77,13 +80,12 @@ COORD_AUG = {"aug": AUG, "augbatch": AUG.replace("}", ", per_image: false}")}
 VARIANTS = ("", *COORD_AUG, "multires")
 NO_COORDS = ("none", "peg")  # they read no coordinates: one coordinate mode, no coordinate augmentation
 # Families whose per-image draw the grid does not afford: matrix exponentials per image train liere at 0.03 of its own
-# speed (one per image and token; ~15 h a seed) and comrope at 0.11 (w + h per image; docs/benchmarks.md, "A draw per
-# batch"). Their default augmented row draws per batch; rope_axial's is the control that says what per batch changes.
+# speed (one per image and token; ~15 h a seed) and comrope at 0.11 (w + h per image; docs/benchmarks.md,
+# "Coordinates per image"). Their default augmented row draws per batch; rope_axial's is the control that says what per batch changes.
 PER_BATCH_ONLY = ("liere", "comrope")
 PER_BATCH_CONTROL = "rope_axial"
 ROPE_CONTROLS = ("ntk", "yarn")
 CONVERGED_POINTS = 0.3
-PARKED = "parked"  # OUT/parked/RUN: unfinished runs committed for the next machine (--park), where OUT/runs is git-ignored
 SEEDS = (0, 1, 2)  # the seeds every row is measured with (the issue's "at least 3"), unless --seeds says otherwise
 # How many times a run still moving is trained again with twice its recipe's epochs (--max-epochs overrides the cap
 # this gives). shapes: once, 24 -> 48, which every shapes row measured converged within. Fashion-MNIST: never, for the
@@ -156,17 +158,17 @@ def train_args(data: str, row: str, seed: int, args) -> List[str]:
 def train_converged(data: str, row: str, seed: int, args, runs: Path, results: List[Dict]) -> Path:
     """Train the row with the recipe's epochs; while its test top-1 is still moving, train it again from scratch with
     twice the epochs (a new cosine schedule; the shorter run is kept), up to ``epoch_cap``. Every run trained is
-    entered in OUT/trained.json (``record_run``)."""
+    entered in OUT/runs.jsonl (``record_run``)."""
     recipe = study_config(data, args).train.epochs
     most = epoch_cap(data, recipe, args)
     epochs = first_epochs(runs, data, row, recipe, most, [*results, *load_trained(runs.parent)])
     while True:
         name = safe_name(f"{data}-{row}-seed{seed}-e{epochs}")  # the epochs in the name: a run is never taken for a longer one
-        label, parked = f"{data} {row} seed {seed}, {epochs} epochs", runs.parent / PARKED / name
+        label, parked = f"{data} {row} seed {seed}, {epochs} epochs", park_dir(args, runs.parent) / name
         if unpark_run(parked, runs / name):
             print(f"[{label}] brought back from {parked} (parked by another machine): it goes on where it stopped")
         run = train_or_reuse(runs / name, [*train_args(data, row, seed, args), "--set", f"train.epochs={epochs}"], label)
-        if parked.exists():  # finished: the parked copy has done its work (commit its removal)
+        if parked.exists():  # finished: the parked copy has done its work
             shutil.rmtree(parked)
             print(f"[{label}] finished: its parked copy {parked} is removed")
         state = load_checkpoint(run)
@@ -180,24 +182,34 @@ def train_converged(data: str, row: str, seed: int, args, runs: Path, results: L
         epochs *= 2
 
 
-def park(out: Path) -> int:
-    """``--park``: every unfinished run in OUT/runs copied to OUT/PARKED (committed), for the next machine to go on with:
+def park_dir(args, out: Path) -> Path:
+    """Where --park puts runs for the next machine: --park-dir, else $VITPE_PARK_DIR, else ~/.cache/vitpe/parked/OUT's
+    name. Never inside the repository: a parked run is a checkpoint, and checkpoints do not go into git."""
+    where = getattr(args, "park_dir", None) or os.environ.get("VITPE_PARK_DIR") or Path.home() / ".cache" / "vitpe" / "parked" / out.name
+    where = Path(where).resolve()
+    if where.is_relative_to(ROOT):
+        raise SystemExit(f"--park-dir {where} is inside the repository: park runs outside it (checkpoints never go into git)")
+    return where
+
+
+def park(out: Path, where: Path) -> int:
+    """``--park``: every unfinished run in OUT/runs copied to ``where`` (``park_dir``), for the next machine to go on with:
     the study brings a parked run back when it reaches it (``train_converged``) and removes the copy once it finishes.
-    A finished run that results.json does not hold yet (stopped between its last epoch and its evaluation) is parked
-    too, unless trained.json says a longer run replaced it: the next machine then evaluates it instead of training it
+    A finished run that results.csv does not hold yet (stopped between its last epoch and its evaluation) is parked
+    too, unless runs.jsonl says a longer run replaced it: the next machine then evaluates it instead of training it
     again."""
     # Finished runs with nothing left to do here: evaluated, or replaced by a longer run of the same seed.
     settled = {Path(r["run"]).name for r in load_results(out)} | {e["run"] for e in load_trained(out) if e.get("retrained_with")}
     parked = 0
     for run in sorted(p for p in (out / "runs").iterdir() if p.is_dir() and not p.name.startswith(".")):
         try:
-            if park_run(run, out / PARKED / run.name, finished=run.name not in settled):
+            if park_run(run, where / run.name, finished=run.name not in settled):
                 parked += 1
-                print(f"parked {run.name} ({(out / PARKED / run.name / CHECKPOINT_NAME).stat().st_size / 1e6:.1f} MB)")
+                print(f"parked {run.name} ({(where / run.name / CHECKPOINT_NAME).stat().st_size / 1e6:.1f} MB)")
         except RunError as e:
             print(f"{e}: not parked")
-    print(f"{parked} run{'s' * (parked != 1)} parked in {out / PARKED} (unfinished or not yet evaluated)"
-          + (": commit it" if parked else ""))
+    print(f"{parked} run{'s' * (parked != 1)} parked in {where} (unfinished or not yet evaluated)"
+          + (": give the next machine this folder and the same --park-dir" if parked else ""))
     return 0
 
 
@@ -207,26 +219,121 @@ def epoch_cap(data: str, recipe: int, args) -> int:
     return args.max_epochs or recipe * 2 ** DOUBLINGS[data]
 
 
+# ---- the record: three compact files that --report regenerates every table and figure from -----------------------------
+# results.csv: one line per measurement (run x route x size); runs.jsonl: one line per trained run (its convergence,
+# training time and config); attention.csv: each layer's attention distance and entropy where measured. A row of the
+# study in memory (``evaluate_run``, ``load_results``) is a measurement joined with its run; the fields that follow from
+# others (the family, the route, the scale) are not stored.
+RUNS_RECORD = "runs.jsonl"
+MEASUREMENT_FIELDS = ("data", "row", "seed", "epochs", "train_size", "chance", "label", "column", "height", "width",
+                      "tokens_per_image", "n", "top1", "loss", "images_per_s")
+RUN_FIELDS = ("run", "last_fifth_gain_points", "converged", "last_epoch_test_top1", "train_acc",
+              "train_wall_s", "train_time_s")
+ATTENTION_FIELDS = ("attn_distance_ref", "attn_entropy")  # per layer: distance in training-grid cells, entropy in nats
+ROUNDING = {"loss": 4, "train_acc": 5, "images_per_s": 1}
+
+
+def derived(measurement: Dict) -> Dict:
+    """The fields of a study row that its label, column and size determine."""
+    pe, variant = measurement["row"].partition(":")[::2]
+    label, column, h, w = measurement["label"], measurement["column"], measurement["height"], measurement["width"]
+    square = column_order(column)[0] == 0
+    return {"pe": pe, "variant": variant or "plain", "route": "patch" if label == "patch" else "coords",
+            "coord_mode": "extrapolate" if label.startswith("extrapolate") else "interpolate",
+            "rope_scaling": label.partition("+")[2] or "none", "scale": float(column[:-1]) if square else 1.0,
+            "resolution": str(h) if h == w else f"{h}x{w}"}
+
+
+def _cell(value) -> str:
+    return "" if value is None else str(value)
+
+
+def _number(text: str):
+    if text == "":
+        return None
+    return int(text) if re.fullmatch(r"-?\d+", text) else float(text)
+
+
+def load_results(out: Path) -> List[Dict]:
+    """The study's record so far (results.csv joined with runs.jsonl and attention.csv; empty before the first
+    measurement), as the rows ``evaluate_run`` makes."""
+    path = out / "results.csv"
+    if not path.is_file():
+        return []
+    runs = {run_key(e): e for e in load_trained(out)}
+    attention = {}
+    if (out / "attention.csv").is_file():
+        with open(out / "attention.csv", newline="") as f:
+            for a in csv.DictReader(f):
+                key = (a["data"], a["row"], int(a["seed"]), int(a["epochs"]), a["label"], a["column"])
+                attention[key] = {k: [None if v == "nan" else float(v) for v in a[k].split()] for k in ATTENTION_FIELDS}
+    rows = []
+    with open(path, newline="") as f:
+        for m in csv.DictReader(f):
+            row = {k: (m[k] if k in ("data", "row", "label", "column") else _number(m[k])) for k in MEASUREMENT_FIELDS if k in m}
+            run = runs.get(run_key(row), {})
+            row.update({k: run[k] for k in RUN_FIELDS if k in run}, **derived(row))
+            row.update(attention.get((*run_key(row), row["label"], row["column"]), {}))
+            rows.append(row)
+    return rows
+
+
+def save_results(rows: List[Dict], out: Path) -> None:
+    """Write the record of ``rows``: their measurements, their runs' fields merged into runs.jsonl (a run's config and
+    ``retrained_with``, entered when it was trained, are kept) and their attention statistics."""
+    runs = {run_key(e): e for e in load_trained(out)}
+    for r in rows:
+        fields = {k: rounded(k, r[k]) for k in RUN_FIELDS if k in r}
+        if "run" in fields:
+            fields["run"] = Path(fields["run"]).name
+        runs[run_key(r)] = {**runs.get(run_key(r), {"data": r["data"], "row": r["row"], "seed": r["seed"], "epochs": r["epochs"]}),
+                            **fields}
+    write_trained(out, list(runs.values()))
+    lines = [",".join(MEASUREMENT_FIELDS)] + [",".join(_cell(rounded(k, r.get(k))) for k in MEASUREMENT_FIELDS) for r in rows]
+    write_atomic(out / "results.csv", "\n".join(lines) + "\n")
+    layers = lambda values: " ".join("nan" if v is None else str(round(v, 4)) for v in values)  # noqa: E731
+    keys = ("data", "row", "seed", "epochs", "label", "column")
+    lines = [",".join(keys + ATTENTION_FIELDS)] + [",".join([*(str(r[k]) for k in keys), *(layers(r[k]) for k in ATTENTION_FIELDS)])
+                                                   for r in rows if all(r.get(k) for k in ATTENTION_FIELDS)]
+    write_atomic(out / "attention.csv", "\n".join(lines) + "\n")
+
+
 def load_trained(out: Path) -> List[Dict]:
-    """OUT/trained.json: every run the study trained, with its config and convergence verdict. The runs themselves are
-    git-ignored (hundreds of MB), so this is what another machine or a fresh clone knows of them."""
-    path = out / "trained.json"
-    return json.loads(path.read_text()) if path.is_file() else []
+    """OUT/runs.jsonl: every run the study trained, one JSON object a line, with its config and convergence verdict. The
+    runs themselves are git-ignored (hundreds of MB), so this is what another machine or a fresh clone knows of them."""
+    path = out / RUNS_RECORD
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def run_key(entry: Dict) -> Tuple[str, str, int, int]:
+    return entry["data"], entry["row"], entry["seed"], entry["epochs"]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")  # the record of hours of runs: never half-written
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def rounded(key: str, value):
+    """A value as the record keeps it: a few fields rounded (``ROUNDING``), so that a value reads back the same."""
+    return round(value, ROUNDING[key]) if key in ROUNDING and isinstance(value, float) and math.isfinite(value) else value
+
+
+def write_trained(out: Path, entries: List[Dict]) -> None:
+    entries = sorted(({k: rounded(k, v) for k, v in e.items()} for e in entries), key=run_key)
+    write_atomic(out / RUNS_RECORD, "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in entries))
 
 
 def record_run(out: Path, entry: Dict) -> None:
-    """Enter a trained run in OUT/trained.json (replacing an older entry of the same data, row, seed and epochs)."""
-    key = lambda e: (e["data"], e["row"], e["seed"], e["epochs"])  # noqa: E731
+    """Enter a trained run in OUT/runs.jsonl (replacing an older entry of the same data, row, seed and epochs)."""
     with study_lock(out):
-        entries = sorted([e for e in load_trained(out) if key(e) != key(entry)] + [entry], key=key)
-        tmp = out / "trained.json.tmp"
-        tmp.write_text(json.dumps(entries, indent=1))
-        tmp.replace(out / "trained.json")
+        write_trained(out, [e for e in load_trained(out) if run_key(e) != run_key(entry)] + [entry])
 
 
 @contextlib.contextmanager
 def study_lock(out: Path):
-    """Held while a study process reads, merges and rewrites OUT's shared files (trained.json, results.json and the
+    """Held while a study process reads, merges and rewrites OUT's shared files (runs.jsonl, results.csv, attention.csv and the
     report): several study processes may work on one OUT at once (``--jobs``), and each keeps what the others merged.
     An flock, so a process that dies lets go of it."""
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -255,7 +362,7 @@ def claim(out: Path, data: str, row: str, seed: int):
 
 def measured_elsewhere(out: Path, results: List[Dict], data: str, row: str, seed: int, args) -> Optional[str]:
     """Why the study need not train (data, row, seed) again on this machine, or None: its measurements are in
-    ``results`` and trained.json says their run was trained with the config the study asks for now. Only where the run
+    ``results`` and runs.jsonl says their run was trained with the config the study asks for now. Only where the run
     is not here (a fresh clone, another machine): a run that is here is checked and reused as usual. A recipe changed
     since (another config) means training again, and the new measurements replace the old."""
     if run_epochs(out / "runs", data, row, seed):
@@ -264,7 +371,7 @@ def measured_elsewhere(out: Path, results: List[Dict], data: str, row: str, seed
     if len(epochs) != 1:  # not measured (or a mixed record): train
         return None
     entry = next((e for e in load_trained(out) if (e["data"], e["row"], e["seed"], e["epochs"]) == (data, row, seed, *epochs)), None)
-    if entry is None:
+    if entry is None or "config" not in entry:  # no config recorded: nothing says it is the recipe asked for
         return None
     wanted = resolve_config(parse_args([*train_args(data, row, seed, args), "--set", f"train.epochs={entry['epochs']}"]))
     changes = config_changes(entry["config"], wanted.to_dict())
@@ -272,7 +379,7 @@ def measured_elsewhere(out: Path, results: List[Dict], data: str, row: str, seed
         print(f"[{data} {row} seed {seed}] measured with another config than this study asks for ({'; '.join(changes)}): "
               "training it again")
         return None
-    return f"measured before ({entry['epochs']} epochs; results.json, trained.json) and its run is not on this machine"
+    return f"measured before ({entry['epochs']} epochs; results.csv, runs.jsonl) and its run is not on this machine"
 
 
 def first_epochs(runs: Path, data: str, row: str, recipe: int, most: int, results: Sequence[Dict] = ()) -> int:
@@ -281,7 +388,7 @@ def first_epochs(runs: Path, data: str, row: str, recipe: int, most: int, result
     its plain family's. A longer run is trained from scratch, so a seed that starts where another seed needed to go ends
     with the run the doubling would reach, minus the shorter runs (hours of the grid); a seed that would have
     converged sooner only trains longer. The seeds' epochs come from their run directories and from the committed
-    record (run directories are git-ignored): the measurements and trained.json's entries (``record_run``) in
+    record (run directories are git-ignored): the measurements and runs.jsonl's entries (``record_run``) in
     ``results``, where ``retrained_with`` says where a run still moving sent its seed."""
     def tried(name: str) -> List[int]:
         return run_epochs(runs, data, name) + [r.get("retrained_with", r["epochs"]) for r in results if (r["data"], r["row"]) == (data, name)]
@@ -499,7 +606,7 @@ def target_seeds(group: Dict, data: str, row: str, label: str = "interpolate") -
 
 
 def train_seconds(entry: Dict) -> Optional[float]:
-    """A run's training seconds from its record (a results.json row or a trained.json entry): ``train_time_s`` (a
+    """A run's training seconds from its record (a results.csv row or a runs.jsonl entry): ``train_time_s`` (a
     resumed run's pieces summed), else ``train_wall_s``; early entries have only one of them, a few neither. A tiny run
     can round to 0.0 seconds: that is a measurement, not a missing one."""
     for key in ("train_time_s", "train_wall_s"):
@@ -524,9 +631,10 @@ def trained_table(trained: List[Dict]) -> List[str]:
     """OUT/trained.md: every run the study trained (the shorter run of a doubled row too), in the study's row order,
     with its convergence and training time; the wall-clock conditions (what ran beside) are in the study's doc."""
     order = {row: i for i, row in enumerate(all_rows())}
-    lines = ["Generated by `python benchmarks/resolution_transfer.py --report` from trained.json. Training minutes count "
+    lines = ["Generated by `python benchmarks/resolution_transfer.py --report` from runs.jsonl. Training minutes count "
              "only the training of each run (a resumed run's pieces summed; `-` where the record has none). They depend on "
-             "what else ran on the machine meanwhile: docs/resolution_transfer.md says, per run.", ""]
+             "what else ran on the machine meanwhile (two single-threaded study processes side by side take about 1.5x as "
+             "long each as one run alone).", ""]
     for data in DATASETS:
         runs = sorted((e for e in trained if e["data"] == data), key=lambda e: (order.get(e["row"], len(order)), e["row"], e["seed"], e["epochs"]))
         if not runs:
@@ -535,25 +643,16 @@ def trained_table(trained: List[Dict]) -> List[str]:
                   "| --- | ---: | ---: | ---: | --- | ---: | ---: |"]
         for e in runs:
             t = train_seconds(e)
-            verdict = "yes" if e["converged"] else f"no: retrained with {e['retrained_with']}" if e.get("retrained_with") else "no"
-            gain = e["last_fifth_gain_points"]  # NaN for a run too short to have a last fifth
+            verdict = "yes" if e.get("converged") else f"no: retrained with {e['retrained_with']}" if e.get("retrained_with") else "no"
+            gain = e.get("last_fifth_gain_points", math.nan)  # NaN for a run too short to have a last fifth
             lines.append(f"| {e['row']} | {e['seed']} | {e['epochs']} | {'-' if math.isnan(gain) else f'{gain:+.2f}'} | {verdict} | "
                          + (f"{t / 60:.1f} | {t / 60 / e['epochs']:.2f} |" if t is not None else "- | - |"))
         lines.append("")
     return lines
 
 
-def load_results(out: Path) -> List[Dict]:
-    """The study's record so far, OUT/results.json (empty before the first measurement)."""
-    path = out / "results.json"
-    return json.loads(path.read_text()) if path.is_file() else []
-
-
 def report(rows: List[Dict], out: Path) -> None:
-    tmp = out / "results.json.tmp"  # the record of hours of runs: never half-written
-    tmp.write_text(json.dumps(rows, indent=1))
-    tmp.replace(out / "results.json")
-    write_csv(rows, out / "results.csv")
+    save_results(rows, out)
     group = cells(rows)
     lines = [f"Generated by `python benchmarks/resolution_transfer.py --report` from {len(rows)} measurements. Cells: mean "
              f"± sd of top-1 % over seeds. `*` after a row: a seed that had not converged (test top-1 rose "
@@ -630,7 +729,44 @@ def report(rows: List[Dict], out: Path) -> None:
         lines.append("")
         plot(sub, group, data, out)
     (out / "table.md").write_text("\n".join(lines))
+    summary = ["Generated by `python benchmarks/resolution_transfer.py --report`: the tables of docs/resolution_transfer.md. "
+               "Top-1 % at the training size (mean ± sd over seeds), then the change from it in points at 2x (and 4x), "
+               "interpolated coordinates unless the column says otherwise.", ""]
+    for data in DATASETS:
+        if any(r["data"] == data for r in rows):
+            summary += [f"## {data}", "", *summary_table(rows, data), ""]
+    (out / "summary.md").write_text("\n".join(summary))
     (out / "trained.md").write_text("\n".join(trained_table(load_trained(out))))
+
+
+def change_cell(group: Dict, data: str, row: str, label: str, column: str) -> str:
+    """A change from 1x as the report's summary writes it: mean ± sd over seeds (the mean alone for one seed)."""
+    values = drops(group, data, row, label, column)
+    if not values:
+        return "-"
+    m, sd = mean_sd(values)
+    return f"{m:+.1f}" if len(values) == 1 else f"{m:+.1f} ± {sd:.1f}"
+
+
+def summary_table(rows: List[Dict], data: str) -> List[str]:
+    """The report's table for ``data``: per family, top-1 at 1x trained at one size, then the change at 2x (and 4x) on
+    each recipe and route that matters: one size interpolated, one size through the patch route, with coordinate
+    augmentation (per batch where that is the family's row), and trained at several sizes."""
+    group = cells(rows)
+    measured = {r["pe"] for r in rows if r["data"] == data}
+    families = [pe for pe in vitpe.list_pos_embeds() if pe in measured]
+    n = lambda row: len(group.get((data, row, "interpolate", "1x"), []))  # noqa: E731
+    lines = ["| family | seeds | 1x top-1 % | 2x: one size | 2x: patch route | 2x: coord. aug. | 2x / 4x: several sizes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for pe in families:
+        aug = next((f"{pe}:{v}" for v in COORD_AUG if (data, f"{pe}:{v}", "interpolate", "1x") in group), None)
+        several = f"{pe}:multires"
+        lines.append(f"| {pe} | {n(pe)} | {fmt(group.get((data, pe, 'interpolate', '1x')))} | "
+                     f"{change_cell(group, data, pe, 'interpolate', '2x')} | {change_cell(group, data, pe, 'patch', '2x')} | "
+                     + (f"{change_cell(group, data, aug, 'interpolate', '2x')}{' (per batch)' if aug.endswith('augbatch') else ''} | "
+                        if aug else "- | ")
+                     + f"{change_cell(group, data, several, 'interpolate', '2x')} / {change_cell(group, data, several, 'interpolate', '4x')} |")
+    return lines
 
 
 def grid_entropy(r: Dict, group: Dict) -> Optional[float]:
@@ -662,51 +798,62 @@ def attention_table(sub: List[Dict], group: Dict, data: str, columns: List[str])
     return lines + [""]
 
 
-def curve(group: Dict, data: str, row: str, value) -> List[Tuple[float, float]]:
-    """(scale, mean over seeds of ``value(result)``) at the square sizes, interpolate mode, where measured."""
+def curve(group: Dict, data: str, row: str, label: str = "interpolate") -> List[Tuple[float, float]]:
+    """(scale, mean top-1 % over seeds) at the square sizes on ``label``'s route, where measured."""
     pts = []
     for s in SCALES:
-        g = [r for r in group.get((data, row, "interpolate", f"{s:g}x"), []) if value(r) is not None]
+        g = group.get((data, row, label, f"{s:g}x"))
         if g:
-            pts.append((s, statistics.fmean(value(r) for r in g)))
+            pts.append((s, statistics.fmean(100 * r["top1"] for r in g)))
     return pts
 
 
+# The rows each panel of the figures draws as lines (the rest of the panel is a grey band): the control without position,
+# the default, and one family of each kind (learned, rotary, bias, distance function).
+HIGHLIGHT = ("none", "sincos2d", "learned", "rope_mixed", "cpb", "fire")
+PANELS = (("plain", "interpolate", "trained at one size: coordinates interpolated"),
+          ("plain", "patch", "trained at one size: patch route (FlexiViT)"),
+          ("aug", "interpolate", "with coordinate augmentation (:aug)"),
+          ("multires", "interpolate", "trained at 0.5x-2x (:multires)"))
+
+
 def plot(sub: List[Dict], group: Dict, data: str, out: Path) -> None:
-    """DATA.png: top-1 against scale, one panel per variant; DATA_attention.png: the last layer's attention (plain rows)."""
+    """DATA.png: top-1 against scale, one panel per recipe and route, each with HIGHLIGHT's rows as lines and every
+    other row as a grey band; the training size and chance marked."""
     from vitpe.viz import pyplot
+    from vitpe.viz.plots import draw_series
 
     plt = pyplot()
-    panels = [(variant or "plain", "top-1 (%)", lambda r: 100 * r["top1"]) for variant in VARIANTS]
-    attention = [("plain", "last layer: attention entropy - log(keys / keys at 1x) (nats)", lambda r: grid_entropy(r, group)),
-                 ("plain", "last layer: mean attention distance (training-grid cells)", lambda r: (r.get("attn_distance_ref") or [None])[-1])]
-    measured = {r["variant"] for r in sub}
-    # Panels only for the variants measured so far; the accuracy panels share their axis, so that a flat multi-size
-    # curve is not drawn as steep as a plain row's collapse.
-    for name, spec, share in ((f"{data}.png", panels, True), (f"{data}_attention.png", attention, False)):
-        spec = [panel for panel in spec if panel[0] in measured]
-        if not spec:
-            continue
-        fig, axes = plt.subplots(1, len(spec), figsize=(6.5 * len(spec), 5.5), sharey=share, squeeze=False)
-        axes = axes[0]
-        for ax, (variant, ylabel, value) in zip(axes, spec):
-            rows = list(dict.fromkeys(r["row"] for r in sub if r["variant"] == variant))
-            for i, row in enumerate(rows):
-                pts = curve(group, data, row, value)
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", ms=3, label=row, color=plt.cm.tab20(i % 20), ls="-" if i < 10 else "--")
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(SCALES, [f"{s:g}x" for s in SCALES])
-            ax.axvline(1.0, color="grey", lw=0.8, ls=":")
-            ax.set_title(f"{data}, {variant} rows, interpolate mode (mean over seeds)", fontsize=10)
-            ax.set_xlabel("resolution / training resolution")
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
-            if rows:
-                ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
+    panels = [p for p in PANELS if any(r["variant"] == p[0] and r["label"] == p[1] for r in sub)]
+    if not panels:
+        return
+    size, chance = sub[0]["train_size"], sub[0].get("chance")
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4), sharey=True, squeeze=False)
+    for ax, (variant, label, title) in zip(axes[0], panels):
+        rows = dict.fromkeys(r["row"] for r in sub if r["variant"] == variant and r["label"] == label)
+        series = {row: curve(group, data, row, label) for row in rows}
+        draw_series(ax, {row.partition(":")[0]: pts for row, pts in series.items() if pts}, keep=HIGHLIGHT,
+                    colours={pe: f"C{i}" for i, pe in enumerate(HIGHLIGHT)})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(SCALES, [f"{s:g}x" for s in SCALES])
+        ax.minorticks_off()
+        ax.axvline(1.0, color="grey", lw=0.8, ls=":")
+        ax.annotate(f"trained at {size} px", (1.0, 0.98), xycoords=("data", "axes fraction"), xytext=(3, 0),
+                    textcoords="offset points", fontsize=7, color="grey", rotation=90, va="top")
+        if chance:  # records of synthetic rows have none
+            ax.axhline(100 * chance, color="grey", lw=0.8, ls="--")
+            ax.annotate(f"chance {100 * chance:.3g}%", (4.0, 100 * chance), xytext=(-2, 2), textcoords="offset points",
+                        fontsize=7, color="grey", ha="right")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(f"test size / training size ({size} px)")
+        ax.set_ylim(0, 101)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")
+    axes[0][0].set_ylabel("top-1 accuracy (%), mean over seeds")
+    fig.suptitle(f"{data}: accuracy away from the training size", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out / f"{data}.png", dpi=100)
+    plt.close(fig)
 
 
 def run_jobs(argv: List[str], jobs: int, out: Path) -> int:
@@ -774,10 +921,12 @@ def main(argv=None) -> int:
     p.add_argument("--diagnostics", type=int, default=32, help="test images for the attention diagnostics (0: off)")
     p.add_argument("--set", action="append", default=[], help="extra config override for every run")
     p.add_argument("--out", default=str(ROOT / "docs" / "resolution_transfer"))
-    p.add_argument("--report", action="store_true", help="only rewrite the tables and plots from OUT/results.json")
+    p.add_argument("--report", action="store_true", help="only rewrite the tables and plots from OUT/results.csv")
     p.add_argument("--park", action="store_true", help="copy every unfinished run, and every finished one not yet evaluated, to "
-                                                       "OUT/parked (git tracks it; stop the study first): a later study on another "
-                                                       "machine goes on from there")
+                                                       "--park-dir (stop the study first): a later study on another machine, "
+                                                       "given the same --park-dir, goes on from there")
+    p.add_argument("--park-dir", help="where --park puts runs and the study looks for them (outside the repository; default: "
+                                      "$VITPE_PARK_DIR, else ~/.cache/vitpe/parked/OUT's name)")
     p.add_argument("--smoke", action="store_true", help="tiny config, two rows, one seed, shapes only: seconds")
     p.add_argument("--jobs", type=int, default=1, help="study processes at once, the cores split between them; each logs "
                                                         "to OUT/runs/jobK.log")
@@ -796,7 +945,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     if args.park:
-        return park(out)
+        return park(out, park_dir(args, out))
     if args.report:
         with study_lock(out):
             report(load_results(out), out)

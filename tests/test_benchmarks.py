@@ -42,11 +42,11 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     # One epoch cannot show convergence: each row is trained again with twice the epochs (the smoke's --max-epochs 2).
     assert "[shapes learned seed 0] still moving after 1 epochs: training 2" in capsys.readouterr().out
     assert {p.name for p in (tmp_path / "runs").iterdir()} >= {"shapes-learned-seed0-e1", "shapes-learned-seed0-e2"}
-    trained = json.loads((tmp_path / "trained.json").read_text())  # committed: what a fresh clone knows of the runs
+    trained = study.load_trained(tmp_path)  # committed: what a fresh clone knows of the runs
     assert [(e["row"], e["epochs"], e.get("retrained_with")) for e in trained] == [
         ("learned", 1, 2), ("learned", 2, None), ("rope_axial:multires", 1, 2), ("rope_axial:multires", 2, None)]
     assert all(e["config"]["model"]["pos_embed"] == e["row"].partition(":")[0] for e in trained)
-    rows = json.loads((tmp_path / "results.json").read_text())
+    rows = study.load_results(tmp_path)
     assert {r["row"] for r in rows} == {"learned", "rope_axial:multires"} and {r["seed"] for r in rows} == {0}
     columns = {"0.5x", "0.75x", "1x", "1.5x", "2x", "3x", "4x", "12x24", "24x12"}  # tiny.yaml trains at 16 px
     learned = [r for r in rows if r["row"] == "learned"]
@@ -56,14 +56,14 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     yarn = {r["column"] for r in rope if r["label"] == "extrapolate+yarn"}
     assert yarn == {"1.5x", "2x", "3x", "4x", "12x24", "24x12"}  # the controls only where a side passes the trained extent
     coords = [r for r in rows if r["route"] == "coords" and r["rope_scaling"] == "none"]
-    assert all(len(r["attn_entropy_norm"]) == 2 and len(r["attn_distance_ref"]) == 2 for r in coords)  # per layer (depth 2)
+    assert all(len(r["attn_entropy"]) == 2 and len(r["attn_distance_ref"]) == 2 for r in coords)  # per layer (depth 2)
     assert all(isinstance(r["converged"], bool) and r["epochs"] == 2 for r in rows)  # the longer run is the one measured
     table = (tmp_path / "table.md").read_text()
     for text in ("## shapes (trained at 16 px)", "| converged | train top-1 | 1x top-1 |", "### shapes: interpolate",
                  "| learned |", "### shapes: extrapolate+yarn",
                  "FIRE: better than RoPE far from the training size: not measured yet", "last layer's attention"):
         assert text in table
-    assert (tmp_path / "shapes.png").stat().st_size > 5000 and (tmp_path / "shapes_attention.png").stat().st_size > 5000
+    assert (tmp_path / "shapes.png").stat().st_size > 5000 and not (tmp_path / "shapes_attention.png").exists()
     runs_md = (tmp_path / "trained.md").read_text()  # every run trained, the shorter of a doubled row too, in row order
     assert "nan" not in runs_md  # one epoch has no last fifth: "-"
     assert re.search(r"\| learned \| 0 \| 1 \| - \| no: retrained with 2 \| \d+\.\d \| \d+\.\d\d \|\n\| learned \| 0 \| 2 \|", runs_md)
@@ -71,14 +71,14 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     # the row needed, so the 1-epoch run is not even opened).
     assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned"]) == 0
     assert "reusing finished run" in capsys.readouterr().out
-    assert json.loads((tmp_path / "results.json").read_text()) == rows
+    assert study.load_results(tmp_path) == rows
     assert "nan" not in (tmp_path / "table.md").read_text()
     # Another machine (a fresh clone) has the committed measurements but not the git-ignored runs: nothing is retrained.
     (tmp_path / "runs").rename(tmp_path / "elsewhere")
     assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned"]) == 0
-    assert "measured before (2 epochs; results.json, trained.json) and its run is not on this machine" in capsys.readouterr().out
+    assert "measured before (2 epochs; results.csv, runs.jsonl) and its run is not on this machine" in capsys.readouterr().out
     assert not [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]  # its claims and lock only
-    assert json.loads((tmp_path / "results.json").read_text()) == rows
+    assert study.load_results(tmp_path) == rows
     shutil.rmtree(tmp_path / "runs")
     (tmp_path / "elsewhere").rename(tmp_path / "runs")
     # The recipe changed since (here its learning rate): the runs trained with the old one are refused, not reused.
@@ -89,7 +89,7 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     for old in (tmp_path / "runs").glob("shapes-learned-*"):
         old.rename(tmp_path / f"old-{old.name}")
     assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned", "--set", "train.lr=0.0123"]) == 0
-    again = json.loads((tmp_path / "results.json").read_text())
+    again = study.load_results(tmp_path)
     assert [r for r in again if r["row"] != "learned"] == [r for r in rows if r["row"] != "learned"]
     relearned = [r for r in again if r["row"] == "learned"]
     assert len(relearned) == len(learned) and all(r["epochs"] == 2 for r in relearned) and relearned != learned
@@ -150,7 +150,7 @@ def test_resolution_transfer_processes_share_one_out(tmp_path, capsys):
             assert not again
         assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned"]) == 0
     assert "[shapes learned seed 0] another study process is on it: skipped" in capsys.readouterr().out
-    assert not (tmp_path / "results.json").exists() and not (tmp_path / "runs" / "shapes-learned-seed0-e1").exists()
+    assert not (tmp_path / "results.csv").exists() and not (tmp_path / "runs" / "shapes-learned-seed0-e1").exists()
     with study.claim(tmp_path, "shapes", "learned", 0) as mine:  # released with its process's hold
         assert mine
     # --jobs 2: two processes split the rows; each row is trained and measured once, and both land in the shared files.
@@ -159,10 +159,10 @@ def test_resolution_transfer_processes_share_one_out(tmp_path, capsys):
     assert re.search(r"--jobs 2: 2 study processes, \d+ threads? each", out) and "2 study processes done" in out
     logs = [(tmp_path / "runs" / f"job{k}.log").read_text() for k in range(2)]
     assert sum(log.count("still moving after 1 epochs") for log in logs) == 2  # each row trained by one process only
-    rows = json.loads((tmp_path / "results.json").read_text())
+    rows = study.load_results(tmp_path)
     keys = [(r["row"], r["label"], r["column"]) for r in rows if r["route"] == "coords" and r["rope_scaling"] == "none"]
     assert {r for r, _, _ in keys} == {"learned", "rope_axial"} and len(keys) == len(set(keys))
-    assert sorted((e["row"], e["epochs"]) for e in json.loads((tmp_path / "trained.json").read_text())) == [
+    assert sorted((e["row"], e["epochs"]) for e in study.load_trained(tmp_path)) == [
         ("learned", 1), ("learned", 2), ("rope_axial", 1), ("rope_axial", 2)]
 
 
@@ -190,16 +190,17 @@ def test_resolution_transfer_jobs_pass_a_stop_on_and_resume(tmp_path):
     assert study.returncode == 128 + signal.SIGTERM and "ended with exit code" not in out, out
     assert "stopped by SIGTERM" in out and "run the same command again to resume" in out
     assert all("SIGTERM at epoch" in log.read_text() and "checkpoint saved" in log.read_text() for log in logs)
-    assert not (tmp_path / "results.json").exists()
+    assert not (tmp_path / "results.csv").exists()
     assert subprocess.run(cmd, env=env, capture_output=True, timeout=480).returncode == 0
     resumed = [int(e) for log in logs for e in re.findall(r"resuming \S+ at epoch (\d+)", log.read_text())]
     assert len(resumed) == 2 and min(resumed) > 1  # each stopped run resumed once, where it stopped
-    assert {r["row"] for r in json.loads((tmp_path / "results.json").read_text())} == {"learned", "rope_axial"}
+    assert {r["row"] for r in load_benchmark("resolution_transfer").load_results(tmp_path)} == {"learned", "rope_axial"}
 
 
 def test_resolution_transfer_parks_an_unfinished_run_for_the_next_machine(tmp_path, capsys):
-    """Run directories are git-ignored and go with their machine: --park copies an unfinished run to OUT/parked (which
-    git tracks), and a study on a machine without the run goes on from the parked step, then drops the copy."""
+    """Run directories are git-ignored and go with their machine: --park copies an unfinished run to a folder outside the
+    repository, and a study on a machine without the run goes on from the parked step, then drops the copy. A park
+    folder inside the repository is refused: checkpoints never go into git."""
     import os
     import signal
 
@@ -209,7 +210,7 @@ def test_resolution_transfer_parks_an_unfinished_run_for_the_next_machine(tmp_pa
     from vitpe.runs import RunLock, unpark_run
 
     study = load_benchmark("resolution_transfer")
-    cmd = ["--smoke", "--out", str(tmp_path), "--rows", "learned", "--max-epochs", "1"]
+    cmd = ["--smoke", "--out", str(tmp_path), "--rows", "learned", "--max-epochs", "1", "--park-dir", str(tmp_path / "parked")]
     updates = []
 
     def stop_at_third(optimizer, args, kwargs):  # the end of a session: SIGTERM, saved at the step boundary
@@ -226,9 +227,9 @@ def test_resolution_transfer_parks_an_unfinished_run_for_the_next_machine(tmp_pa
     run = tmp_path / "runs" / "shapes-learned-seed0-e1"
     parked = tmp_path / "parked" / run.name
     with RunLock(run):  # a run still training is not copied half-way
-        assert study.main(["--park", "--out", str(tmp_path)]) == 0
+        assert study.main(["--park", "--out", str(tmp_path), "--park-dir", str(tmp_path / "parked")]) == 0
     assert "is in use by process" in capsys.readouterr().out and not parked.exists()
-    assert study.main(["--park", "--out", str(tmp_path)]) == 0
+    assert study.main(["--park", "--out", str(tmp_path), "--park-dir", str(tmp_path / "parked")]) == 0
     assert "1 run parked" in capsys.readouterr().out
     assert {p.name for p in parked.iterdir()} == {"checkpoint.pt", "config.yaml"}  # stopped in its first epoch: no metrics yet
     assert (load_checkpoint(parked)["epoch"], load_checkpoint(parked)["step"]) == (0, 3)
@@ -238,19 +239,21 @@ def test_resolution_transfer_parks_an_unfinished_run_for_the_next_machine(tmp_pa
     out = capsys.readouterr().out
     assert "brought back from" in out and "at epoch 1, step 3/8" in out and "its parked copy" in out
     assert not parked.exists() and load_checkpoint(run)["epoch"] == 1
-    assert {r["row"] for r in json.loads((tmp_path / "results.json").read_text())} == {"learned"}
-    assert study.main(["--park", "--out", str(tmp_path)]) == 0  # a finished, evaluated run stays where it is
+    assert {r["row"] for r in study.load_results(tmp_path)} == {"learned"}
+    assert study.main(["--park", "--out", str(tmp_path), "--park-dir", str(tmp_path / "parked")]) == 0  # a finished, evaluated run stays where it is
     assert "0 runs parked" in capsys.readouterr().out and not parked.exists()
-    # Stopped between its last epoch and its evaluation: the run is finished but results.json does not hold it. It is
+    # Stopped between its last epoch and its evaluation: the run is finished but results.csv does not hold it. It is
     # parked too, and the next machine evaluates it rather than training it again.
-    (tmp_path / "results.json").unlink()
-    assert study.main(["--park", "--out", str(tmp_path)]) == 0
+    (tmp_path / "results.csv").unlink()
+    assert study.main(["--park", "--out", str(tmp_path), "--park-dir", str(tmp_path / "parked")]) == 0
     assert "1 run parked" in capsys.readouterr().out and load_checkpoint(parked)["epoch"] == 1
     shutil.rmtree(tmp_path / "runs")
     assert study.main(cmd) == 0
     out = capsys.readouterr().out
     assert "brought back from" in out and "reusing finished run" in out and "resuming" not in out
-    assert not parked.exists() and {r["row"] for r in json.loads((tmp_path / "results.json").read_text())} == {"learned"}
+    assert not parked.exists() and {r["row"] for r in study.load_results(tmp_path)} == {"learned"}
+    with pytest.raises(SystemExit, match="is inside the repository: park runs outside it"):
+        study.main(["--park", "--out", str(tmp_path), "--park-dir", str(ROOT / "docs" / "parked")])
 
 
 def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_or_its_plain_family_needed_to_go(tmp_path):
@@ -276,7 +279,7 @@ def test_resolution_transfer_starts_a_seed_where_the_rows_other_seeds_or_its_pla
     assert study.first_epochs(tmp_path / "fresh", "shapes", "learned", 24, 48, recorded) == 48
     assert study.first_epochs(tmp_path / "fresh", "shapes", "cpb", 24, 48, recorded) == 24  # another dataset's do not count
     assert study.first_epochs(tmp_path / "fresh", "shapes", "learned:aug", 24, 48, recorded) == 48
-    # A run still moving is entered in trained.json when it is trained again longer, so its seed's retraining starts there.
+    # A run still moving is entered in runs.jsonl when it is trained again longer, so its seed's retraining starts there.
     for _ in range(2):
         study.record_run(tmp_path, {"data": "shapes", "row": "peg", "seed": 0, "epochs": 24, "retrained_with": 48})
     assert len(study.load_trained(tmp_path)) == 1  # once, however often the study passes by
@@ -305,10 +308,10 @@ def test_resolution_transfer_grid_draws_per_batch_where_a_draw_per_image_is_unaf
 def test_resolution_transfer_trains_a_per_batch_row(tmp_path, capsys):
     study = load_benchmark("resolution_transfer")
     assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "comrope:augbatch", "--max-epochs", "1"]) == 0
-    [entry] = json.loads((tmp_path / "trained.json").read_text())
+    [entry] = study.load_trained(tmp_path)
     assert entry["row"] == "comrope:augbatch" and entry["config"]["model"]["coord_aug"] == {
         "shift": 1.0, "rescale": 2.0, "jitter": 1.25, "per_image": False}
-    rows = json.loads((tmp_path / "results.json").read_text())
+    rows = study.load_results(tmp_path)
     assert {r["variant"] for r in rows} == {"augbatch"} and all(0 <= r["top1"] <= 1 for r in rows)
     assert "| comrope:augbatch |" in (tmp_path / "table.md").read_text()
 

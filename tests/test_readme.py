@@ -85,7 +85,7 @@ def test_readme_cheap_shell_commands_run_exactly_as_written(tmp_path):
 
 def test_which_pe_table_is_the_study_record():
     """Every accuracy in the "Which PE should I use" tables (docs/which_pe.md) is its row's cell in the committed study
-    record (docs/resolution_transfer/results.json, `shapes`), rounded as the report rounds: a typed-in number that drifts
+    record (docs/resolution_transfer/results.csv with runs.jsonl, `shapes`), rounded as the report rounds: a typed-in number that drifts
     from the record, or a ± that the seeds do not back, fails here."""
     rt = load_benchmark("resolution_transfer")
     group = rt.cells(rt.load_results(ROOT / "docs" / "resolution_transfer"))
@@ -130,3 +130,15 @@ def test_which_pe_table_is_the_study_record():
             check_row(line, several_sizes=table is multires[0])
             checked += 1
     assert checked >= 36  # every family in both tables
+
+
+def test_resolution_transfer_report_tables_are_the_record():
+    """The report's two tables (docs/resolution_transfer.md) are what `--report` makes of the committed record, line
+    for line: a number typed into the report that the record does not back fails here."""
+    rt = load_benchmark("resolution_transfer")
+    rows = rt.load_results(ROOT / "docs" / "resolution_transfer")
+    report = (ROOT / "docs" / "resolution_transfer.md").read_text()
+    for data in rt.DATASETS:
+        table = rt.summary_table(rows, data)
+        assert len(table) == 2 + len(rt.vitpe.list_pos_embeds()), data
+        assert "\n".join(table) in report, data

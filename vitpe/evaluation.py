@@ -236,24 +236,21 @@ def _resolution_axis(ax, rows: List[Dict]) -> None:
 
 
 def _lines(ax, rows: List[Dict], value) -> None:
-    """One line per label: ``value(row)`` against resolution (square and non-square sizes by their area)."""
+    """``value(row)`` against resolution, a line per label (square and non-square sizes by their area), at most
+    ``MAX_LINES`` of them: further labels become one grey band (``draw_series``)."""
+    from vitpe.viz.plots import draw_series
+
     labels = list(dict.fromkeys(r["label"] for r in rows))
-    colours = _colours(len(labels))
-    for i, label in enumerate(labels):
-        mine = [r for r in rows if r["label"] == label]
-        pts = sorted(((r["height"] * r["width"]) ** 0.5, value(r)) for r in mine if r["height"] == r["width"])
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, color=colours[i % len(colours)])
-        for k, r in enumerate(r for r in mine if r["height"] != r["width"]):  # another aspect ratio: a labelled marker at its area
+    series = {label: [((r["height"] * r["width"]) ** 0.5, value(r)) for r in rows if r["label"] == label and r["height"] == r["width"]]
+              for label in labels}
+    colours = draw_series(ax, series)
+    for label, colour in colours.items():
+        odd = [r for r in rows if r["label"] == label and r["height"] != r["width"]]
+        for k, r in enumerate(odd):  # another aspect ratio: a labelled marker at its area
             x = (r["height"] * r["width"]) ** 0.5
-            ax.plot([x], [value(r)], marker="s", mfc="none", color=colours[i % len(colours)])
+            ax.plot([x], [value(r)], marker="s", mfc="none", color=colour)
             ax.annotate(r["resolution"], (x, value(r)), xytext=(5, 6 - 12 * (k % 2)), textcoords="offset points", fontsize=7,
-                        color=colours[i % len(colours)], va="center")
-
-
-def _colours(n: int) -> list:
-    from vitpe.viz import pyplot
-
-    return list(pyplot().get_cmap("tab20").colors) if n > 10 else [f"C{i}" for i in range(10)]  # distinct past 10 lines
+                        color=colour, va="center")
 
 
 def plot(rows: List[Dict], path: Path, title: str) -> None:

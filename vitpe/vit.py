@@ -335,7 +335,7 @@ class VisionTransformer(nn.Module):
         if self.coord_aug.active and self.coord_aug.per_image and any(isinstance(m, MatrixRotary) for m in self.pos_embed.modules()):
             warnings.warn(f"coord_aug draws per image, so {pos_embed!r} takes matrix exponentials per image (liere: per token) "
                           "instead of one set per batch: training runs about 9x (comrope) to 35x (liere) slower (docs/benchmarks.md, "
-                          "'A draw per batch'); coord_aug per_image: false draws once per batch at no cost, as DINOv3 does", stacklevel=2)
+                          "'Coordinates per image'); coord_aug per_image: false draws once per batch at no cost, as DINOv3 does", stacklevel=2)
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth grows with depth
         self.blocks = nn.ModuleList(

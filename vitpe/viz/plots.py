@@ -4,12 +4,14 @@ from __future__ import annotations
 import math
 import textwrap
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["pyplot", "wrapped", "finish_plot", "draw_matrix", "draw_maps", "draw_distance"]
+__all__ = ["pyplot", "wrapped", "finish_plot", "draw_series", "draw_matrix", "draw_maps", "draw_distance", "MAX_LINES"]
+
+MAX_LINES = 6  # more lines than this in one panel cannot be told apart: the rest are drawn as one grey band
 
 
 def pyplot():
@@ -40,6 +42,33 @@ def finish_plot(fig, ax, title: str, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     pyplot().close(fig)
+
+
+def draw_series(ax, series: Dict[str, Sequence[Tuple[float, float]]], keep: Sequence[str] = (),
+                colours: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """Lines a reader can tell apart: at most MAX_LINES labelled series (those named in ``keep`` first, then the others in
+    order), each in its own colour, and every further series folded into one grey band (their lowest to highest value at
+    each x), labelled with how many it holds. ``colours`` fixes some series' colours (the same series alike in every
+    panel of a figure). Returns the colour of each series drawn as a line."""
+    names = [n for n in keep if n in series] + [n for n in series if n not in keep]
+    shown, rest = names[:MAX_LINES], names[MAX_LINES:]
+    if rest:
+        at: Dict[float, List[float]] = {}
+        for n in rest:
+            for x, y in series[n]:
+                if y is not None and math.isfinite(y):
+                    at.setdefault(x, []).append(y)
+        xs = sorted(at)
+        ax.fill_between(xs, [min(at[x]) for x in xs], [max(at[x]) for x in xs], color="0.85", lw=0,
+                        label=f"{len(rest)} others (range)", zorder=0)
+    fixed = dict(colours or {})
+    free = iter(c for c in (f"C{i}" for i in range(10)) if c not in fixed.values())
+    drawn = {}
+    for n in shown:
+        pts = sorted(p for p in series[n] if p[1] is not None)
+        drawn[n] = fixed.get(n) or next(free)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3.5, label=n, color=drawn[n])
+    return drawn
 
 
 def draw_matrix(mats: Dict[str, Tensor], title: str, path: Path) -> None:
