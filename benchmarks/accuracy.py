@@ -24,14 +24,15 @@ from pathlib import Path
 from typing import Dict, List
 
 import torch
+from studykit import smoke_args, train_or_reuse
+from timing import cpu_name
 
 import vitpe
 from vitpe.checkpoint import checkpoint_config, load_checkpoint
 from vitpe.config import load_config
 from vitpe.data import load_dataset
-from vitpe.runs import safe_name, train_or_reuse, write_csv
-from vitpe.timing import cpu_name
-from vitpe.training import REFERENCE_FILE, position_top1, recipe_of, smoke_args
+from vitpe.runs import safe_name, write_csv
+from vitpe.training import REFERENCE_FILE, position_top1, recipe_of
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,17 +29,15 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
+from studykit import SDPA, sdpa_override, train_smoke
 from torch import Tensor, nn
 
-import vitpe.vit
 from vitpe.checkpoint import CheckpointError, checkpoint_config, model_from_checkpoint
 from vitpe.coords import PatchGrid
 from vitpe.data.datasets import SHAPES_SEED
 from vitpe.data.shapes import on_canvas, render_shapes, shapes_params
 from vitpe.engine import evaluate
 from vitpe.evaluation import dataset_of
-from vitpe.training import train_smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "resolution_transfer" / "canvas"
@@ -49,7 +47,7 @@ READINGS = ("canvas", "canvas_scene_pool", "canvas_scene_keys", "canvas_logn", "
 def attention_override(train_keys: Optional[int] = None, keys: Optional[Tensor] = None) -> contextlib.AbstractContextManager:
     """Inside, vitpe's attention scales its logits by ``log(keys) / log(train_keys)`` (1 at the training length)
     where ``train_keys`` is given, and attends only to the patch tokens in ``keys`` (a bool mask; prefix tokens are
-    always kept) where that is given (``vitpe.vit.sdpa_override``: it raises if no attention was reached)."""
+    always kept) where that is given (``studykit.sdpa_override``: it raises if no attention was reached)."""
     def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, *args, **kwargs) -> Tensor:
         if train_keys is not None:
             kwargs["scale"] = math.log(k.shape[-2]) / math.log(train_keys) / math.sqrt(q.shape[-1])
@@ -57,9 +55,9 @@ def attention_override(train_keys: Optional[int] = None, keys: Optional[Tensor] 
             keep = torch.cat([keys.new_ones(k.shape[-2] - len(keys)), keys]).to(k.device)
             only = torch.zeros(1, k.shape[-2], dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
             attn_mask = only if attn_mask is None else attn_mask.to(q.dtype) + only
-        return F.scaled_dot_product_attention(q, k, v, attn_mask, *args, **kwargs)
+        return SDPA(q, k, v, attn_mask, *args, **kwargs)
 
-    return vitpe.vit.sdpa_override(sdpa)
+    return sdpa_override(sdpa)
 
 
 class ScenePool(nn.Module):

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
+from timing import alternate, cpu_name, flops_per_call, matmul_peak, ratio, step_fn, usable_cores
 
 import vitpe
 from vitpe.config import load_config
 from vitpe.errors import VitpeError
-from vitpe.timing import alternate, cpu_name, flops_per_call, matmul_peak, ratio, step_fn, usable_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 _main = load_config(ROOT / "configs" / "shapes.yaml").model

@@ -11,7 +11,7 @@
 
 ``baseline`` imports REV's vitpe (a git worktree) beside this tree's and alternates their training steps in one
 process, A B A B, reporting the median of the per-round ratios. ``token_keep`` and ``packing`` alternate in one process
-(vitpe.timing). ``lattice`` alternates packed training steps of the bias families with their per-image lattice path
+(benchmarks/timing.py). ``lattice`` alternates packed training steps of the bias families with their per-image lattice path
 and with it switched off (every pair evaluated), with a second lattice copy as the control. ``coord_aug`` alternates
 training steps of the main job's model without a PE, with PE P, and with P and the resolution-transfer study's
 per-image coordinate augmentation (its ``AUG``). ``accuracy`` trains
@@ -38,6 +38,8 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 import yaml
+from studykit import train_or_reuse
+from timing import alternate, flops_per_call, ratio
 
 import vitpe
 from vitpe.checkpoint import load_checkpoint
@@ -45,8 +47,7 @@ from vitpe.config import ModelConfig, load_config
 from vitpe.data import load_dataset
 from vitpe.data.augment import normalize
 from vitpe.data.mixed import draw_sizes, mixed_batch
-from vitpe.runs import safe_name, train_or_reuse
-from vitpe.timing import alternate, flops_per_call, ratio
+from vitpe.runs import safe_name
 
 ROOT = Path(__file__).resolve().parents[1]
 # The models measured, as VisionTransformer arguments (their configs' model sections): the main job (python train.py),

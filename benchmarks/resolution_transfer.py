@@ -53,14 +53,15 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from studykit import park_run, train_or_reuse, unpark_run
+from timing import usable_cores
 
 import vitpe
 from vitpe.checkpoint import CHECKPOINT_NAME, checkpoint_config, load_checkpoint, model_from_checkpoint
 from vitpe.config import apply_overrides, load_config
 from vitpe.coords import snap
 from vitpe.evaluation import DEFAULT_ASPECTS, dataset_of, evaluate_at
-from vitpe.runs import RunError, config_changes, park_run, safe_name, train_or_reuse, unpark_run
-from vitpe.timing import usable_cores
+from vitpe.runs import RunError, config_changes, safe_name
 from vitpe.training import parse_args, resolve_config
 
 try:
@@ -78,11 +79,12 @@ AUG = "{shift: 1.0, rescale: 2.0, jitter: 1.25}"  # one patch of shift, half to 
 # batch (as DINOv3's RoPE augmentation does), so the grid stays shared by the batch.
 COORD_AUG = {"aug": AUG, "augbatch": AUG.replace("}", ", per_image: false}")}
 VARIANTS = ("", *COORD_AUG, "multires")
-NO_COORDS = ("none", "peg")  # they read no coordinates: one coordinate mode, no coordinate augmentation
-# Families whose per-image draw the grid does not afford: matrix exponentials per image train liere at 0.03 of its own
-# speed (one per image and token; ~15 h a seed) and comrope at 0.11 (w + h per image; docs/benchmarks.md,
-# "Coordinates per image"). Their default augmented row draws per batch; rope_axial's is the control that says what per batch changes.
-PER_BATCH_ONLY = ("liere", "comrope")
+# What the families declare (vitpe.pos_embed_info): those that read no coordinates get one coordinate mode and no
+# coordinate augmentation; those that declare a cost of coordinates per image (matrix exponentials per image: liere at
+# 0.03 of its own speed, ~15 h a seed; comrope at 0.11) draw their augmentation per batch, and rope_axial's row drawn per
+# batch is the control that says what drawing per batch changes.
+NO_COORDS = tuple(pe for pe in vitpe.list_pos_embeds() if not vitpe.pos_embed_info(pe)["reads_coords"])
+PER_BATCH_ONLY = tuple(pe for pe in vitpe.list_pos_embeds() if vitpe.pos_embed_info(pe)["per_image_cost"])
 PER_BATCH_CONTROL = "rope_axial"
 ROPE_CONTROLS = ("ntk", "yarn")
 CONVERGED_POINTS = 0.3

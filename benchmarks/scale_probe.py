@@ -33,13 +33,13 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from studykit import train_smoke
 from torch import Tensor
 
 from vitpe.checkpoint import CheckpointError, checkpoint_config, find_checkpoint, model_from_checkpoint
 from vitpe.coords import COORD_MODES, PatchGrid
 from vitpe.engine import evaluate
 from vitpe.evaluation import dataset_of
-from vitpe.training import train_smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "docs" / "resolution_transfer" / "scale_probe"

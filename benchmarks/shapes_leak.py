@@ -21,6 +21,7 @@ from typing import Dict, List
 
 import torch
 from einops import rearrange
+from studykit import train_smoke
 from torch import Tensor
 
 from vitpe.checkpoint import CheckpointError, checkpoint_config, find_checkpoint, model_from_checkpoint
@@ -28,7 +29,6 @@ from vitpe.data.augment import normalize
 from vitpe.data.datasets import SHAPES_SEED
 from vitpe.data.shapes import POSITION_CLASSES, pair_play, shapes_params
 from vitpe.evaluation import dataset_of
-from vitpe.training import train_smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAY_EDGES = (0.0, 0.01, 0.03, 1 / 16, 1 / 8, 1.0)  # image widths; the study's patch is 1/8 of its 32 px image

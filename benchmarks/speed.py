@@ -21,13 +21,14 @@ from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
+from studykit import SDPA, sdpa_override
+from timing import alternate, flops_per_call, matmul_peak, ratio, step_fn
 
 import vitpe
 import vitpe.vit
 from vitpe.config import load_config
 from vitpe.data import load_dataset
 from vitpe.data.augment import BatchAugment, normalize
-from vitpe.timing import alternate, flops_per_call, matmul_peak, ratio, step_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,9 +108,9 @@ def bias_mask_as_3d() -> contextlib.AbstractContextManager:
     def as_3d(q, k, v, attn_mask=None, **kwargs):
         if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[0] == 1:
             attn_mask = attn_mask[0]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+        return SDPA(q, k, v, attn_mask=attn_mask, **kwargs)
 
-    return vitpe.vit.sdpa_override(as_3d)
+    return sdpa_override(as_3d)
 
 
 def bench_bias_mask(device: torch.device, args) -> List[Dict]:

@@ -1,4 +1,5 @@
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 import vitpe
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the scripts import their shared study kit (benchmarks/studykit.py) as they do when run
 
 # Every registered family plus combinations that exercise each way of combining (additive+rotary,
 # additive+bias+conditional, additive+per-layer bias+rotary with an orthogonal mix, additive+matrix rotary).

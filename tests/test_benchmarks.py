@@ -204,10 +204,11 @@ def test_resolution_transfer_parks_an_unfinished_run_for_the_next_machine(tmp_pa
     import os
     import signal
 
+    from studykit import unpark_run
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     from vitpe.checkpoint import load_checkpoint
-    from vitpe.runs import RunLock, unpark_run
+    from vitpe.runs import RunLock
 
     study = load_benchmark("resolution_transfer")
     cmd = ["--smoke", "--out", str(tmp_path), "--rows", "learned", "--max-epochs", "1", "--park-dir", str(tmp_path / "parked")]
@@ -632,3 +633,40 @@ def test_reliability_campaign_kills_resumes_and_keeps_an_earlier_campaign(tmp_pa
     with pytest.raises(SystemExit, match=r"holds a campaign with --epochs 1 \(3 trials\): continue it with --epochs 1"):
         campaign.main(["--epochs", "12", "--out", str(tmp_path)])
     assert (tmp_path / "campaign.json").read_text() == before
+
+
+def test_studykit_sdpa_override_reaches_vitpe_and_equipped_timm_attention_and_restores():
+    """What the override returns is the attention's output, on vitpe's blocks and on a timm ViT equipped with a vitpe
+    PE; nested overrides restore the outer one; an override that reaches no attention, or whose body fails, leaves
+    SDPA as it was, the first with a clear error."""
+    import timm
+
+    kit = load_benchmark("studykit")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    model = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3, pos_embed="cpb").eval()
+    t = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=3).eval()
+    vitpe.equip_timm_vit(t, "rope_mixed")
+    x = torch.randn(2, 3, 16, 16)
+    hot = lambda q, k, v, **kw: sdpa(q, k, v, scale=2.0, **kw)  # noqa: E731 (sharper attention)
+    with torch.no_grad():
+        before = model(x)
+        for m, xs in ((model, x), (t, torch.randn(2, 3, 32, 32))):
+            ref = m(xs)
+            with kit.sdpa_override(lambda q, k, v, **kw: sdpa(q, k, v, **kw)) as calls:
+                torch.testing.assert_close(m(xs), ref)  # the same kernel inputs: the same output
+            assert len(calls) == len(m.blocks)
+            with kit.sdpa_override(hot) as calls:
+                assert not torch.allclose(m(xs), ref, atol=1e-3)
+        with kit.sdpa_override(hot) as outer:
+            with kit.sdpa_override(lambda *a, **kw: sdpa(*a, **kw)) as inner:
+                model(x)
+            model(x)
+        assert (len(inner), len(outer)) == (2, 2)
+        with pytest.raises(RuntimeError, match="never reached the attention"):
+            with kit.sdpa_override(hot):
+                pass
+        with pytest.raises(ZeroDivisionError):
+            with kit.sdpa_override(hot):
+                1 / 0
+        torch.testing.assert_close(model(x), before)  # plain SDPA again
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa

@@ -49,7 +49,7 @@ def test_grid_coords_interpolate_keeps_extent():
 
 
 def test_grid_coords_bad_input():
-    with pytest.raises(ValueError, match="coord mode"):
+    with pytest.raises(ValueError, match="is not a coordinate mode; choose one of interpolate, extrapolate, normalize, extend"):
         vitpe.grid_coords(4, mode="stretch")
     with pytest.raises(ValueError, match="positive"):
         vitpe.grid_coords((0, 4))

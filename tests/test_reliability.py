@@ -396,8 +396,9 @@ def test_a_study_reuses_a_run_only_when_its_config_is_the_one_asked_for():
 
 
 def test_a_study_run_killed_before_its_first_checkpoint_is_resumed_and_one_from_another_recipe_refused(tmp_path, capsys):
+    from studykit import train_or_reuse
+
     from vitpe.config import apply_overrides, load_config, save_config
-    from vitpe.runs import train_or_reuse
 
     run = tmp_path / "study-row-seed0"
     run.mkdir()  # what a kill in the first epoch leaves: the directory and its config, no checkpoint
@@ -415,9 +416,8 @@ def test_a_study_run_killed_before_its_first_checkpoint_is_resumed_and_one_from_
 def test_a_study_run_stopped_by_a_signal_says_it_resumes(tmp_path, monkeypatch, rc, message):
     """A study stopped with SIGTERM (train.py saved a checkpoint and returned 128 + 15) says how to go on, not that
     training failed; a real failure still reports its exit code."""
-    import vitpe.training
-    from vitpe.runs import train_or_reuse
+    import studykit
 
-    monkeypatch.setattr(vitpe.training, "main", lambda argv: rc)
+    monkeypatch.setattr(studykit, "train_main", lambda argv: rc)
     with pytest.raises(SystemExit, match=message):
-        train_or_reuse(tmp_path / "study-row-seed0", ["--config", TINY], "row")
+        studykit.train_or_reuse(tmp_path / "study-row-seed0", ["--config", TINY], "row")

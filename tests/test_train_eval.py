@@ -349,7 +349,10 @@ def test_eval_at_native_aspect_ratio(tiny_run, tmp_path, capsys):
     ("learned+fire", ["--rope-scaling", "yarn"], "no rotary positional encoding"),
     ("sincos2d+comrope", ["--rope-scaling", "ntk"], "no frequency table"),
     ("lookhere", ["--lookhere-slope", "2"], None),
-    ("sincos2d", ["--lookhere-slope", "2"], "no lookhere positional encoding"),
+    ("sincos2d", ["--lookhere-slope", "2"], r"no positional encoding of this model \(sincos2d\) takes the test-time option 'lookhere.slope'"),
+    ("learned+lookhere", ["--pe-option", "slope=3"], None),
+    ("rope_axial", ["--pe-option", "rope_axial.yarn_beta=16", "--pe-option", "scaling=yarn"], None),
+    ("rope_axial", ["--pe-option", "slope=3"], "takes the test-time option 'slope'.*its options: rope_axial.scaling, rope_axial.p_rope"),
 ])
 def test_new_families_train_and_evaluate_with_their_test_time_controls(tmp_path, pe, controls, error):
     assert train(tmp_path, "run", "--set", f"model.pos_embed={pe}", "--set", "train.epochs=1") == 0
@@ -360,8 +363,12 @@ def test_new_families_train_and_evaluate_with_their_test_time_controls(tmp_path,
         return
     assert eval_script.main(args) == 0
     rows = json.loads((tmp_path / "ev" / "results.json").read_text())
-    column, tag = {"--rope-scaling": ("rope_scaling", "[rope "), "--lookhere-slope": ("lookhere_slope", "[lookhere slope ")}[controls[0]]
-    assert len(rows) == 2 and rows[0][column] == type(rows[0][column])(controls[1]) and tag in rows[0]["label"]
+    if controls[0] == "--rope-scaling":
+        assert rows[0]["rope_scaling"] == controls[1] and "[rope " in rows[0]["label"]
+    else:  # a family's declared option, by --pe-option or its own old flag: one column, and in the label
+        given = ";".join(c if "=" in c else f"lookhere.slope={c}" for c in controls[1::2])
+        assert rows[0]["pe_options"] == given and all(f"[{item.replace('=', ' ')}]" in rows[0]["label"] for item in given.split(";"))
+    assert len(rows) == 2
     assert all(0 <= r["top1"] <= 1 for r in rows)
 
 
@@ -369,6 +376,13 @@ def test_eval_refuses_a_lookhere_slope_that_is_not_positive():
     for bad in ("0", "-1", "inf", "steep"):
         with pytest.raises(SystemExit):
             eval_script.parse_args(["runs/A", "--lookhere-slope", bad])
+        with pytest.raises(ConfigError, match=f"'{bad}' is not a valid slope"):
+            eval_script.parse_pe_options([f"lookhere.slope={bad}"])
+    for bad, why in (("lookhere.slope", "must look like FAMILY.OPTION=VALUE"), ("lookhere.slop=2", "no registered family declares it"),
+                     ("=2", "must look like")):
+        with pytest.raises(ConfigError, match=why):
+            eval_script.parse_pe_options([bad])
+    assert eval_script.parse_pe_options(["slope=2", "rope_mixed.p_rope=0.25"]) == [("slope", "2"), ("rope_mixed.p_rope", "0.25")]
 
 
 class EveryStep(train_script.Heartbeat):

@@ -324,7 +324,7 @@ def test_lookhere_slope_k_at_k_times_the_grid_in_interpolate_mode_is_extrapolate
         before = combined(x)
         assert set_lookhere_slope(combined, 3.0) == ["lookhere"]
         assert not torch.allclose(combined(x), before)  # the combination's cached biases were dropped
-    with pytest.raises(ValueError, match="no lookhere positional encoding"):
+    with pytest.raises(ValueError, match=r"no positional encoding of this model \(sincos2d\) takes the test-time option 'lookhere.slope'"):
         set_lookhere_slope(small_vit("sincos2d"), 2.0)
     for bad in (0.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="must be positive and finite"):

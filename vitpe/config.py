@@ -12,10 +12,11 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import yaml
 
-from .coords import COORD_MODES, CoordAugment
+from .coords import CoordAugment, CoordMode
 from .data.augment import AUGMENTS, TTA_MODES
 from .engine import AMP_MODES
 from .errors import VitpeError
+from .pos_embed import DEFAULT_POS_EMBED
 from .suggest import did_you_mean
 from .vit import POOLS
 
@@ -40,7 +41,7 @@ class ModelConfig:
     depth: int = 6
     num_heads: int = 3
     mlp_ratio: float = 2.0
-    pos_embed: str = "sincos2d"  # any name of vitpe.list_pos_embeds(), or a '+' combination
+    pos_embed: str = DEFAULT_POS_EMBED  # any name of vitpe.list_pos_embeds(), or a '+' combination
     pos_embed_kwargs: Dict[str, Any] = field(default_factory=dict)
     class_token: bool = True
     num_reg_tokens: int = 0
@@ -201,7 +202,6 @@ def config_from_dict(data: Dict[str, Any]) -> Config:
 def _validate(cfg: Config) -> None:
     choices = {
         "model.pool": (cfg.model.pool, POOLS),
-        "model.coord_mode": (cfg.model.coord_mode, COORD_MODES),
         "data.augment": (cfg.data.augment, AUGMENTS),
         "train.amp": (cfg.train.amp, AMP_MODES),
         "train.eval_tta": (cfg.train.eval_tta, TTA_MODES),
@@ -209,6 +209,10 @@ def _validate(cfg: Config) -> None:
     for key, (value, valid) in choices.items():
         if value not in valid:
             raise ConfigError(f"{key}={value!r} is not valid{did_you_mean(value, valid)}; choose one of {', '.join(valid)}")
+    try:
+        CoordMode.parse(cfg.model.coord_mode, "model.coord_mode")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     m, d, t = cfg.model, cfg.data, cfg.train
     ranges = [  # key, value, lowest, highest, lowest included, highest included
         ("model.img_size", m.img_size, 1, None, True, True), ("model.patch_size", m.patch_size, 1, None, True, True),
@@ -306,7 +310,7 @@ def apply_overrides(cfg: Config, overrides: List[str]) -> Config:
     for item in overrides:
         key, eq, raw = item.partition("=")
         if not eq or not key:
-            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. model.pos_embed=rope_mixed")
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.epochs=12")
         node, parts = data, key.strip().split(".")
         if _field_type(parts) is str:
             value = raw if raw != "" else None  # a name stays as typed: --name 2024, --name yes

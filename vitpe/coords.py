@@ -8,17 +8,57 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Optional, Sequence, Tuple, Union
+from enum import Enum
+from typing import ClassVar, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["COORD_MODES", "grid_coords", "grid_cells", "cell_coords", "random_keep", "content_tokens", "PatchGrid", "TokenGrid", "CoordAugment",
-           "to_2tuple", "snap", "patch_units"]
+from .suggest import did_you_mean
 
-COORD_MODES = ("interpolate", "extrapolate", "normalize", "extend")
-CoordMode = Literal["interpolate", "extrapolate", "normalize", "extend"]
+__all__ = ["COORD_MODES", "CoordMode", "grid_coords", "grid_cells", "cell_coords", "random_keep", "content_tokens", "PatchGrid", "TokenGrid", "CoordAugment",
+           "to_2tuple", "snap", "patch_units", "reference_extent"]
+
+class CoordMode(str, Enum):
+    """How a grid of another size than the reference is given coordinates: the one type of a coordinate mode, each
+    mode's meaning here and its formula in :func:`cell_coords`. A member is its name as a string (``"interpolate"``), so
+    configs, tables and comparisons use plain text; :meth:`parse` is the one check of a name.
+
+    - ``interpolate``: the grid spans the reference grid's extent, more (or less) densely: position interpolation,
+      every coordinate inside the trained range.
+    - ``extrapolate``: the integer grid continued: a larger image reaches positions beyond the trained range (RoPE-ViT's
+      evaluation).
+    - ``normalize``: patch centres in the fixed box ``[-1, 1]`` whatever the size (DINOv3's, NaViT's and CAPE's frame).
+    - ``extend``: per axis, extrapolate where the grid has more patches than the reference and interpolate where it has
+      fewer, so no axis spans less than the trained extent.
+    """
+
+    INTERPOLATE = "interpolate"
+    EXTRAPOLATE = "extrapolate"
+    NORMALIZE = "normalize"
+    EXTEND = "extend"
+
+    __str__ = str.__str__  # "interpolate", as configs and tables write it
+    __format__ = str.__format__
+    __hash__ = str.__hash__  # a member and its name are one dictionary key (Enum would hash the member's NAME)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @classmethod
+    def parse(cls, mode: object, what: str = "coord_mode") -> "CoordMode":
+        """``mode`` as a :class:`CoordMode`; anything else is a one-line ``ValueError`` naming the modes."""
+        if isinstance(mode, cls):
+            return mode
+        try:
+            return cls(mode)
+        except ValueError:
+            raise ValueError(f"{what}={mode!r} is not a coordinate mode{did_you_mean(mode, COORD_MODES)}; choose one of "
+                             f"{', '.join(COORD_MODES)}") from None
+
+
+COORD_MODES = tuple(m.value for m in CoordMode)  # their names, for command-line choices and messages
 Size2 = Union[int, Sequence[int]]
 
 
@@ -43,8 +83,7 @@ def snap(size: float, multiple: int) -> int:
 
 def _spacing(n: int, ref: int, mode: str) -> float:
     """Distance between neighbouring patch centres of an ``n``-patch axis, in reference patches (see :func:`cell_coords`)."""
-    if mode not in COORD_MODES:
-        raise ValueError(f"unknown coord mode {mode!r}; expected one of {COORD_MODES}")
+    mode = CoordMode.parse(mode)
     if mode == "extend":
         mode = "extrapolate" if n > ref else "interpolate"
     return ref / n if mode == "interpolate" else 2.0 / n if mode == "normalize" else 1.0
@@ -121,6 +160,7 @@ def cell_coords(cells: Tensor, sizes: Tensor, ref: Size2, mode: CoordMode = "int
     axis ``c`` where ``n`` exceeds the reference, the interpolate formula elsewhere, in extend mode.
     """
     rh, rw = to_2tuple(ref, "ref_grid")
+    mode = CoordMode.parse(mode)
     c, n = cells.to(torch.float64), sizes.to(torch.float64)
     if mode in ("interpolate", "extend"):
         ref_wh = torch.tensor([rw, rh], device=c.device, dtype=torch.float64)
@@ -129,9 +169,7 @@ def cell_coords(cells: Tensor, sizes: Tensor, ref: Size2, mode: CoordMode = "int
         return (out if mode == "interpolate" else torch.where(n > ref_wh, c, out)).to(dtype)
     if mode == "extrapolate":
         return c.to(dtype)
-    if mode == "normalize":
-        return ((2 * c + 1) / n - 1).to(dtype)
-    raise ValueError(f"unknown coord mode {mode!r}; expected one of {COORD_MODES}")
+    return ((2 * c + 1) / n - 1).to(dtype)  # normalize
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,6 +272,13 @@ def _extent(sizes: Tensor, ref: Tuple[int, int], mode: Optional[str], scale: Opt
     out = {"interpolate": ref_wh.expand_as(n), "extrapolate": n, "normalize": torch.full_like(n, 2.0),
            "extend": torch.maximum(n, ref_wh)}[mode]
     return out if scale is None else out * scale.to(out)
+
+
+def reference_extent(ref: Size2, mode: Optional[str]) -> Tensor:
+    """``(2,)`` ``(w, h)``: the extent of the reference grid ``ref`` itself in coordinate mode ``mode`` (what a trained
+    model saw; RoPE's extrapolation controls scale frequencies by an image's extent over this)."""
+    h, w = to_2tuple(ref, "ref_grid")
+    return _extent(torch.tensor([w, h]), (h, w), mode)
 
 
 def patch_units(x: Tensor, grid: Union["PatchGrid", "TokenGrid"], offsets: bool = False) -> Tensor:

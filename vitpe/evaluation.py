@@ -1,6 +1,6 @@
 """Evaluate trained checkpoints at several resolutions: tables, JSON, CSV and plots.
 
-    python eval.py runs/shapes-sincos2d-...                            # 0.5x .. 2x the training size, 1:2 and 2:1
+    python eval.py runs/RUN                                            # 0.5x .. 2x the training size, 1:2 and 2:1
     python eval.py runs/A runs/B --resolutions 16 32 48 64 128         # compare runs on one table and plot
     python eval.py runs/A --resolutions 32x48 --coord-mode both       # non-square; both coordinate modes
     python eval.py runs/A --resolutions 32 64 128 --route both         # new grid, or FlexiViT's resized patches
@@ -35,9 +35,10 @@ from vitpe.data import load_dataset
 from vitpe.data.augment import TTA_MODES, normalize
 from vitpe.engine import amp_dtype, attention_bytes, autocast, evaluate, evaluate_native, memory_available, memory_plan, resolve_device
 from vitpe.errors import run_cli
-from vitpe.pos_embed import set_lookhere_slope, set_rope_extrapolation
+from vitpe.pos_embed import pe_test_options, set_pe_option, set_rope_extrapolation
 from vitpe.pos_embed.functional import ROPE_SCALINGS
 from vitpe.runs import write_csv
+from vitpe.suggest import did_you_mean
 
 DEFAULT_SCALES = (0.5, 0.75, 1.0, 1.5, 2.0)
 DEFAULT_ASPECTS = (0.5, 2.0)  # height / width of the default non-square sizes, at the training size's area
@@ -70,17 +71,6 @@ def positive_int(text: str) -> int:
     return whole_number(text, 1)
 
 
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number above zero."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
 def count(text: str) -> int:
     return whole_number(text, 0)
 
@@ -102,9 +92,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                         "they act where extrapolate- or extend-mode coordinates go beyond the trained extent")
     p.add_argument("--p-rope", type=float, metavar="FRACTION",
                    help="leave this fraction of each head's lowest RoPE frequencies unrotated (p-RoPE; default: as trained)")
-    p.add_argument("--lookhere-slope", type=positive_float, metavar="SLOPE",
-                   help="LookHere's global slope, the factor of its distance penalties (default: as trained, 1); k at k "
-                        "times the training size in interpolate mode gives extrapolate mode's penalties")
+    p.add_argument("--pe-option", dest="pe_options", action="append", default=[], metavar="[FAMILY.]OPTION=VALUE",
+                   help="set a test-time option a family declares (default: as trained), e.g. " + ", ".join(
+                       f"{key}" for key in list(pe_test_options())[:3]) + "; every one: vitpe.pe_test_options(); repeatable")
+    for key, option in pe_test_options().items():  # a family's own flag from before --pe-option, kept working
+        if option.flag and option.flag not in p._option_string_actions:
+            p.add_argument(option.flag, dest="pe_options", action=_PEOptionFlag, const=key, type=_option_type(option),
+                           metavar=option.name.upper(), help=f"the same as --pe-option {key}=VALUE: {option.help}")
     p.add_argument("--route", choices=["coords", "patch", "both"], default="coords",
                    help="meet a new resolution with new coordinates on a new token grid (coords), or by resizing the "
                         "patch embedding to keep the trained grid (patch: FlexiViT's PI-resize)")
@@ -122,6 +116,46 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--no-verify", action="store_true", help="load checkpoints whose checksum does not match")
     p.add_argument("--out", help="output directory (default: FIRST_RUN/eval-TIMESTAMP)")
     return p.parse_args(argv)
+
+
+class _PEOptionFlag(argparse.Action):
+    """A family's own flag (``--FLAG VALUE``): the same as ``--pe-option FAMILY.OPTION=VALUE``."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        namespace.pe_options = [*namespace.pe_options, f"{self.const}={value}"]
+
+
+def _option_type(option):
+    """An argparse type that checks a value as its option parses it."""
+    def parse(text: str):
+        try:
+            option.parse(text)
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {option.name}: {e}") from None
+        return text
+
+    return parse
+
+
+def parse_pe_options(items: List[str]) -> List[Tuple[str, str]]:
+    """``--pe-option`` items as ``(key, text)``; a malformed item, or one that names a family's option that does not
+    exist, is refused here, before any model is loaded (an option without a family is checked against each model)."""
+    known, out = pe_test_options(), []
+    for item in items:
+        key, eq, text = item.partition("=")
+        key, text = key.strip(), text.strip()
+        if not eq or not key or not text:
+            raise ConfigError(f"--pe-option {item!r} must look like FAMILY.OPTION=VALUE, e.g. {next(iter(known), 'family.option')}=1")
+        if "." in key and key not in known:
+            raise ConfigError(f"--pe-option {key!r}: no registered family declares it{did_you_mean(key, list(known))}; "
+                              f"the options: {', '.join(known)}")
+        if key in known:
+            try:
+                _option_type(known[key])(text)
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(f"--pe-option {key}: {e}") from None
+        out.append((key, text))
+    return out
 
 
 def default_resolutions(img_size: int, patch: int) -> List[Tuple[int, int]]:
@@ -373,9 +407,9 @@ def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets
         if args.rope_scaling is not None or args.p_rope is not None:
             set_rope_extrapolation(model, args.rope_scaling, args.p_rope)
             controls += "".join(f" [{k} {v}]" for k, v in (("rope", args.rope_scaling), ("p-rope", args.p_rope)) if v is not None)
-        if args.lookhere_slope is not None:
-            set_lookhere_slope(model, args.lookhere_slope)
-            controls += f" [lookhere slope {args.lookhere_slope:g}]"
+        for key, text in parse_pe_options(args.pe_options):
+            set_pe_option(model, key, text)
+            controls += f" [{key} {text}]"
     except ValueError as e:
         raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
     return RunPlan(ckpt, model, state, cfg, ds, name, modes, routes, resolutions, controls,
@@ -406,7 +440,8 @@ def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, 
             plan = [(mode, route, hw) for hw in sizes] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
             for row in evaluate_at(model, ds, plan, device, dtype, run.batch, label, args.tta, args.diagnostics):
                 rows.append({"run": str(run.ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": run.data,
-                             "rope_scaling": args.rope_scaling, "p_rope": args.p_rope, "lookhere_slope": args.lookhere_slope, "chance": 1 / ds.num_classes,
+                             "rope_scaling": args.rope_scaling, "p_rope": args.p_rope,
+                             "pe_options": ";".join(args.pe_options) or None, "chance": 1 / ds.num_classes,
                              "weights": "ema" if run.state.get("ema") is not None and not args.no_ema else "raw",
                              "train_size": train_size, "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
                 if not sys.stdout.isatty():  # a log (nohup, a cluster job): a line per result, not silence until the table
@@ -429,6 +464,7 @@ def write_results(rows: List[Dict], out: Path, diagnostics: int) -> List[Dict]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    parse_pe_options(args.pe_options)  # a malformed option is refused before anything is loaded
     device = resolve_device(args.device)
     datasets: Dict[Tuple, object] = {}
     given = {}

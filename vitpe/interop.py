@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .coords import COORD_MODES, PatchGrid, Size2, to_2tuple
+from .coords import CoordMode, PatchGrid, Size2, to_2tuple
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
 from .vit import VisionTransformer, attend, compute_dtype, pin_traced_size, position_tokens
 
@@ -135,8 +135,7 @@ def equip_timm_vit(
 
     outer, model = model, _unwrap(model)
     _check_timm_vit(model)
-    if coord_mode not in COORD_MODES:
-        raise ValueError(f"unknown coord_mode {coord_mode!r}; expected one of {COORD_MODES}")
+    coord_mode = CoordMode.parse(coord_mode)
     if not isinstance(getattr(model, "patch_drop", nn.Identity()), nn.Identity):
         raise ValueError("this timm ViT drops patches (patch_drop_rate > 0), which vitpe's PE injection does not support; build it with patch_drop_rate=0")
     if hasattr(model, "vitpe_pos_embed"):

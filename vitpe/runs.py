@@ -7,15 +7,13 @@ import json
 import os
 import re
 import shutil
-import signal
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 from .errors import VitpeError
 
 __all__ = ["RunError", "CONFIG_NAME", "METRICS_JSONL", "METRICS_CSV",
-           "safe_name", "create_run_dir", "remove_stale", "RunLock", "write_metrics", "write_csv", "pid_alive", "config_changes", "train_or_reuse",
-           "park_run", "unpark_run"]
+           "safe_name", "create_run_dir", "remove_stale", "RunLock", "write_metrics", "write_csv", "pid_alive", "config_changes"]
 
 LOCK_NAME = ".lock"
 # A run directory's files besides its checkpoint (checkpoint.CHECKPOINT_NAME): one name each for training, resuming
@@ -161,106 +159,3 @@ def config_changes(stored: Dict[str, Any], wanted: Dict[str, Any], prefix: str =
         elif a != b:
             out.append(f"{dotted}: {a!r} -> {b!r}")
     return out
-
-
-def train_or_reuse(run: Path, args: List[str], label: str) -> Path:
-    """What the hand-run studies share: train ``train.py ARGS --out-dir run.parent --name run.name`` once; a
-    finished run is reused and an interrupted one resumed, so a study stopped half-way continues where it stopped.
-    A run trained with another config than ARGS give (the study's recipe changed since) is refused, never reused."""
-    from .checkpoint import CHECKPOINT_NAME, checkpoint_config, load_checkpoint
-    from .config import load_config
-    from .training import main as train_main
-    from .training import parse_args, resolve_config
-
-    wanted = resolve_config(parse_args([*args, "--out-dir", str(run.parent), "--name", run.name]))
-    state = load_checkpoint(run) if (run / CHECKPOINT_NAME).is_file() else None
-    stored = None
-    if state is not None:
-        stored = checkpoint_config(state)
-    elif (run / CONFIG_NAME).is_file():  # stopped before its first checkpoint: it resumes at step 0
-        stored = load_config(str(run / CONFIG_NAME))
-    if stored is not None:
-        changes = config_changes(stored.to_dict(), wanted.to_dict())
-        if changes:
-            raise SystemExit(f"run {run} was trained with another config than this study asks for ({'; '.join(changes)}): "
-                             "move it away to train it again, or give the study another output directory")
-        if state is not None and state["epoch"] >= stored.train.epochs:
-            print(f"[{label}] reusing finished run {run}")
-            return run
-        print(f"[{label}] resuming {run}")
-        rc = train_main(["--resume", str(run)])
-    else:
-        rc = train_main([*args, "--out-dir", str(run.parent), "--name", run.name])
-    if rc > 128:  # train.py's code for a signal: stopped at a step boundary and saved, or (a second Ctrl-C) its last save kept
-        raise SystemExit(f"training {run} stopped by {signal.Signals(rc - 128).name}: run the same command again to resume "
-                         "it from its last checkpoint")
-    if rc != 0:
-        raise SystemExit(f"training {run} failed with exit code {rc}")
-    return run
-
-
-def _run_files() -> Tuple[str, ...]:
-    """What a run needs to go on elsewhere: its checkpoint (weights, optimiser, EMA, step), config and metrics so far."""
-    from .checkpoint import CHECKPOINT_NAME  # imported here: runs.py stays light (checkpoint.py imports the model)
-
-    return CHECKPOINT_NAME, CONFIG_NAME, METRICS_JSONL, METRICS_CSV
-
-
-def _progress(run: Path) -> Optional[Tuple[int, int, int]]:
-    """``(epoch, step, epochs)`` of the run's checkpoint (a checksum-verified load), None without one."""
-    from .checkpoint import CHECKPOINT_NAME, checkpoint_config, load_checkpoint
-
-    if not (run / CHECKPOINT_NAME).is_file():
-        return None
-    state = load_checkpoint(run)
-    return state["epoch"], state["step"], checkpoint_config(state).train.epochs
-
-
-def _copy_run_files(src: Path, dest: Path) -> None:
-    """The run files of ``src`` into a fresh ``dest``, which appears whole or not at all (built beside it, renamed in)."""
-    tmp, old = dest.with_name(f".{dest.name}.tmp{os.getpid()}"), dest.with_name(f".{dest.name}.old{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in _run_files():
-        if (src / f).is_file():
-            shutil.copy2(src / f, tmp / f)
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(tmp, dest)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def park_run(run: Path, parked: Path, finished: bool = False) -> bool:
-    """Copy an unfinished run's checkpoint, config and metrics to ``parked``, a folder git tracks. Run directories are
-    git-ignored and go with their machine; a run longer than one machine is kept (hours of a study, on machines handed
-    out per session) is committed parked and goes on where it stopped on the next (:func:`unpark_run`). ``finished``
-    parks a finished run too (one trained but not yet evaluated: without it the next machine trains it again). False
-    for a finished run otherwise or one with no checkpoint yet; :class:`RunError` for one a process is training (stop
-    it first: it saves at its next step boundary)."""
-    run, parked = Path(run), Path(parked)
-    with RunLock(run):
-        progress = _progress(run)
-        if progress is None or (progress[0] >= progress[2] and not finished):
-            return False
-        _copy_run_files(run, parked)
-    return True
-
-
-def unpark_run(parked: Path, run: Path) -> bool:
-    """Bring a parked run (:func:`park_run`) back into ``run`` unless ``run`` has got as far on its own; True if it did.
-    The next ``train_or_reuse`` (or ``train.py --resume``) then goes on from the parked step."""
-    parked, run = Path(parked), Path(run)
-    theirs = _progress(parked)
-    if theirs is None:
-        return False
-    run.mkdir(parents=True, exist_ok=True)
-    with RunLock(run):
-        ours = _progress(run)
-        if ours is not None and ours[:2] >= theirs[:2]:
-            return False
-        for f in _run_files():
-            if (parked / f).is_file():
-                tmp = run / f".{f}.tmp{os.getpid()}"
-                shutil.copy2(parked / f, tmp)
-                os.replace(tmp, run / f)
-    return True

@@ -1,8 +1,8 @@
 """Train a ViT classifier with any positional encoding.
 
     python train.py                                        # shapes, the built-in dataset, ~4 min on 2 CPU cores
-    python train.py --config configs/fashion_mnist.yaml --set model.pos_embed=rope_mixed
-    python train.py --resume runs/shapes-sincos2d-20261121-120000
+    python train.py --config configs/fashion_mnist.yaml --pe FAMILY
+    python train.py --resume runs/RUN
     torchrun --nproc_per_node 2 train.py --config configs/tiny.yaml     # gloo on CPU, NCCL on GPUs
 
 Every run gets its own directory (never overwritten, locked while it trains) holding config.yaml,
@@ -40,6 +40,7 @@ from vitpe.data.datasets import TRAIN_SIZES
 from vitpe.data.mixed import draw_sizes, mixed_batch
 from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, forward_bytes, memory_available, resolve_device, seed_step
 from vitpe.errors import VitpeError, run_cli
+from vitpe.pos_embed import NO_POS_EMBED
 from vitpe.runs import CONFIG_NAME, LOCK_NAME, METRICS_CSV, METRICS_JSONL, RunError, RunLock, config_changes, create_run_dir, safe_name, write_metrics  # noqa: F401 (safe_name: public name)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shapes.yaml"  # the repository's configs/
@@ -58,7 +59,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help=f"YAML config (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[1])})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set model.pos_embed=rope_mixed --set train.epochs=5")
+                   help="override a config value, e.g. --set train.lr=5e-4 --set train.epochs=5")
     p.add_argument("--data", help="shortcut for --set data.name=NAME")
     p.add_argument("--data-dir", help="shortcut for --set data.data_dir=DIR")
     p.add_argument("--pe", help="shortcut for --set model.pos_embed=NAME")
@@ -338,11 +339,11 @@ def learned_lines(row: Dict[str, Any], ds, cfg: Config, reference: Optional[Dict
     lines = [f"learned: {100 * at:.1f}% on the {len(position)} classes only position tells apart "
              f"({', '.join(ds.classes[c] for c in position)}; chance on them: {100 / len(position):.0f}%), "
              f"{100 * rest:.1f}% on the other {len(per) - len(position)} (mean per-class top-1)"]
-    none = (reference or {}).get("results", {}).get("none")
-    if none and cfg.model.pos_embed != "none":
-        seeds, top1, pos = none["seeds"], none["top1"], none["position_top1"]
+    baseline = (reference or {}).get("results", {}).get(NO_POS_EMBED)
+    if baseline and cfg.model.pos_embed != NO_POS_EMBED:
+        seeds, top1, pos = baseline["seeds"], baseline["top1"], baseline["position_top1"]
         base = statistics.fmean(top1)
-        lines.append(f"without a PE (pos_embed=none) the same recipe reached {100 * base:.1f}% ({100 * statistics.fmean(pos):.1f}% on those "
+        lines.append(f"without a PE (pos_embed={NO_POS_EMBED}) the same recipe reached {100 * base:.1f}% ({100 * statistics.fmean(pos):.1f}% on those "
                      f"{len(position)} classes; measured {reference['measured']}, seeds {seeds}): {cfg.model.pos_embed} adds "
                      f"{100 * (row['test_top1'] - base):+.1f} points")
     return lines
@@ -789,20 +790,6 @@ def train_loop(job: Job) -> int:
         if hint:
             log(f"note: {hint}")
     return 0
-
-
-def smoke_args(pe: str, *overrides: str) -> List[str]:
-    """``train.py`` arguments of a smoke run: ``configs/tiny.yaml`` with ``pe`` and ``--set`` ``overrides`` for one
-    epoch, seconds on a CPU (what a benchmark's ``--smoke`` trains and measures)."""
-    sets = [a for o in ("train.epochs=1", *overrides) for a in ("--set", o)]
-    return ["--config", str(DEFAULT_CONFIG.parent / "tiny.yaml"), "--pe", pe, *sets]
-
-
-def train_smoke(out: Path, pe: str, *overrides: str) -> Path:
-    """Train the :func:`smoke_args` run into ``out/pe``; returns the run directory."""
-    if main([*smoke_args(pe, *overrides), "--out-dir", str(out), "--name", pe]) != 0:
-        raise RunError(f"the smoke run {pe} in {out} failed to train; its log above says why")
-    return Path(out) / pe
 
 
 def cli(argv: Optional[List[str]] = None) -> int:

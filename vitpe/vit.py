@@ -5,11 +5,10 @@ the actual input, and hands that context to every block. No block knows which PE
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -17,14 +16,12 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.nn.init import trunc_normal_
 
-from .coords import COORD_MODES, CoordAugment, PatchGrid, TokenGrid, content_tokens, snap, to_2tuple
+from .coords import CoordAugment, CoordMode, PatchGrid, TokenGrid, content_tokens, snap, to_2tuple
 from .packing import Packed
 from .patch import resize_patch_embed
-from .pos_embed import PosContext, PosEmbed, build_pos_embed
-from .pos_embed.lie import MatrixRotary
+from .pos_embed import DEFAULT_POS_EMBED, PosContext, PosEmbed, build_pos_embed, pe_parts
 
-__all__ = ["POOLS", "Attention", "Block", "LayerScale", "VisionTransformer", "attend", "compute_dtype", "position_tokens", "sdpa_override",
-           "take_indices"]
+__all__ = ["POOLS", "Attention", "Block", "LayerScale", "VisionTransformer", "attend", "compute_dtype", "position_tokens", "take_indices"]
 
 POOLS = ("cls", "mean")  # how the head reads the tokens: the class token, or the mean of the patch tokens
 
@@ -60,33 +57,6 @@ def position_tokens(x: Tensor, pos: PosContext, prefix: Sequence[Optional[Tensor
     return torch.cat([group.expand(x.shape[0], -1, -1), x], dim=1)
 
 
-_SDPA: Optional[Callable[..., Tensor]] = None  # set only inside sdpa_override
-
-
-@contextlib.contextmanager
-def sdpa_override(fn: Callable[..., Tensor]) -> Iterator[List[int]]:
-    """Inside, :func:`attend` (vitpe's attention and equipped timm attention) calls ``fn(q, k, v, attn_mask=...,
-    dropout_p=...)`` where it would call ``F.scaled_dot_product_attention``: for studies and benchmarks that change
-    what the kernel gets (the logits' scale, a mask over keys, a mask's layout) without touching the model. torch's
-    function itself is left alone, so ``fn`` may call it. Yields a list with one entry per call made through ``fn``,
-    and raises on a normal exit if there was none: a reading taken "with the override" that never reached the
-    attention would be a silent no-op."""
-    global _SDPA
-    calls: List[int] = []
-
-    def counted(*args, **kwargs) -> Tensor:
-        calls.append(1)
-        return fn(*args, **kwargs)
-
-    outer, _SDPA = _SDPA, counted
-    try:
-        yield calls
-    finally:
-        _SDPA = outer
-    if not calls:
-        raise RuntimeError("sdpa_override never reached vitpe's attention: nothing inside called vitpe.vit.attend")
-
-
 def attend(
     q: Tensor, k: Tensor, v: Tensor, pos: Optional[PosContext], layer: int, dropout_p: float = 0.0, num_queries: Optional[int] = None,
     mixed: bool = False,
@@ -107,7 +77,7 @@ def attend(
     if num_queries is not None:
         q = q[:, :, :num_queries]
         bias = None if bias is None else bias[..., :num_queries, :]
-    out = (_SDPA or F.scaled_dot_product_attention)(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
     return rearrange(out, "b h t d -> b t (h d)")
 
 
@@ -282,12 +252,12 @@ class VisionTransformer(nn.Module):
         depth: int = 12,
         num_heads: int = 3,
         mlp_ratio: float = 4.0,
-        pos_embed: str = "sincos2d",
+        pos_embed: str = DEFAULT_POS_EMBED,
         pos_embed_kwargs: Optional[Dict[str, Any]] = None,
         class_token: bool = True,
         num_reg_tokens: int = 0,
         pool: Literal["cls", "mean"] = "cls",
-        coord_mode: Literal["interpolate", "extrapolate", "normalize", "extend"] = "interpolate",
+        coord_mode: str = CoordMode.INTERPOLATE,
         coord_aug: Optional[Dict[str, float]] = None,
         qkv_bias: bool = True,
         drop_rate: float = 0.0,
@@ -332,10 +302,10 @@ class VisionTransformer(nn.Module):
         self.pos_embed: PosEmbed = build_pos_embed(
             pos_embed, dim=embed_dim, num_heads=num_heads, ref_grid=self.ref_grid, depth=depth, **(pos_embed_kwargs or {})
         )
-        if self.coord_aug.active and self.coord_aug.per_image and any(isinstance(m, MatrixRotary) for m in self.pos_embed.modules()):
-            warnings.warn(f"coord_aug draws per image, so {pos_embed!r} takes matrix exponentials per image (liere: per token) "
-                          "instead of one set per batch: training runs about 9x (comrope) to 35x (liere) slower (docs/benchmarks.md, "
-                          "'Coordinates per image'); coord_aug per_image: false draws once per batch at no cost, as DINOv3 does", stacklevel=2)
+        costly = [p for p in pe_parts(self.pos_embed) if p.per_image_cost] if self.coord_aug.active and self.coord_aug.per_image else []
+        for part in costly:  # what the family declares it costs to see coordinates per image
+            warnings.warn(f"coord_aug draws per image, so {part.name} {part.per_image_cost} (docs/benchmarks.md, 'Coordinates per "
+                          "image'); coord_aug per_image: false draws once per batch at no cost, as DINOv3 does", stacklevel=2)
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth grows with depth
         self.blocks = nn.ModuleList(
@@ -354,9 +324,7 @@ class VisionTransformer(nn.Module):
 
     @coord_mode.setter
     def coord_mode(self, mode: str) -> None:
-        if mode not in COORD_MODES:
-            raise ValueError(f"unknown coord_mode {mode!r}; expected one of {COORD_MODES}")
-        self._coord_mode = mode
+        self._coord_mode = CoordMode.parse(mode)
 
     def _init_weights(self) -> None:
         # timm's default ViT init: truncated-normal linears, zero biases, tiny prefix tokens.

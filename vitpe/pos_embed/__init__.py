@@ -1,6 +1,6 @@
 """Positional encodings for vision transformers, each a function of continuous patch coordinates."""
 # Import order matters: the families register as they are imported, in the order list_pos_embeds() reports.
-from .base import PosContext, PosEmbed
+from .base import PEOption, PosContext, PosEmbed
 from .functional import (
     apply_rope,
     axial_rope_freqs,
@@ -17,11 +17,25 @@ from .functional import (
     sincos_1d,
     sincos_2d,
 )
-from .registry import CombinedPosEmbed, build_pos_embed, list_pos_embeds, pos_embed_options, register_pos_embed, set_lookhere_slope, set_rope_extrapolation
+from .registry import (
+    CombinedPosEmbed,
+    build_pos_embed,
+    list_pos_embeds,
+    pe_parts,
+    pe_test_options,
+    pos_embed_info,
+    pos_embed_options,
+    register_pos_embed,
+    set_pe_option,
+    set_rope_extrapolation,
+)
 
 # Importing the families registers them; the order here is the order list_pos_embeds() reports.
 from .additive import FourierPosEmbed, LearnedFourierPosEmbed, LearnedPosEmbed, NoPosEmbed, SinCos2d
-from .bias import ContinuousPositionBias, FIRE, LookHere, RelativePositionBias
+from .bias import ContinuousPositionBias, FIRE, LookHere, RelativePositionBias, set_lookhere_slope
 from .rotary import RopeAxial, RopeGolden, RopeMixed, RopeString, RotaryPosEmbed
 from .lie import ComRoPE, LieRE
 from .conditional import PEG
+
+DEFAULT_POS_EMBED = "sincos2d"  # the library's default encoding (a model's, a config's): fixed, no parameters, no cost
+NO_POS_EMBED = "none"  # the family without position: the baseline every other is measured against

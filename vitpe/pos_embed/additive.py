@@ -22,6 +22,8 @@ class NoPosEmbed(PosEmbed):
     """No positional encoding: self-attention is permutation-equivariant, so the model sees a bag of
     patches (the baseline that shows why PE exists)."""
 
+    reads_coords = False
+
 
 @register_pos_embed("sincos2d")
 class SinCos2d(PosEmbed):

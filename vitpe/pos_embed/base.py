@@ -6,12 +6,12 @@ A PE answers up to four questions about a :class:`~vitpe.coords.PatchGrid`; the 
 - ``tokens(grid)``: ``(N, dim)`` added to the patch tokens (absolute encodings);
 - ``bias(grid)``: ``(heads, N, N)`` added to the attention logits (relative encodings);
 - ``rope_angles(grid)``: ``(L|1, heads|1, N, head_dim/2)`` rotation angles for q and k (rotary);
-- ``rope_rotations(grid)``: ``(L|1, heads|1, N, K, b, b)`` block rotation matrices for q and k (LieRE, ComRoPE);
+- ``rope_rotations(grid)``: ``(L|1, heads|1, N, K, b, b)`` block rotation matrices for q and k (learned matrix rotations);
 - ``rope_mix()``: ``(heads, head_dim, head_dim)`` an orthogonal map applied to q and k before rotating (STRING);
 - ``rope_magnitude(grid)``: ``(N,)`` a factor on q and k per token (YaRN's temperature);
 - ``condition(layer, x, grid)``: a function of the tokens themselves after block ``layer`` (conditional).
 
-``bias(grid)`` may also be per layer, ``(L, heads, N, N)`` (LookHere's layer slopes).
+``bias(grid)`` may also be per layer, ``(L, heads, N, N)`` (a penalty that changes with depth).
 
 The grid is a :class:`~vitpe.coords.PatchGrid` shared by the batch (the shapes above, cached), or a
 :class:`~vitpe.coords.TokenGrid` with coordinates per image ``(B, N, 2)``: then every answer gains a leading batch
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Dict, FrozenSet, Hashable, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, FrozenSet, Hashable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from ..coords import PatchGrid, Size2, to_2tuple
 from .functional import blocks_to_dense, rotate_blocks, rotate_complex, rotate_dense, rotate_pairs
 
-__all__ = ["PosEmbed", "PosContext"]
+__all__ = ["PosEmbed", "PosContext", "PEOption"]
 
 _CACHE_ENTRIES = 32  # cached tables per PE: multi-resolution training cycles through a handful of grids
 
@@ -58,7 +58,7 @@ class PosContext:
     rot: Optional[Tensor] = None  # cos + i sin, for float32/float64: the faster complex-product rotation
     mats: Optional[Tensor] = None  # block rotations instead of cos/sin: (L|1, B, heads|1, T, K, b, b), shared (L|1, heads, T, hd, hd)
     mix: Optional[Tensor] = None  # (heads, head_dim, head_dim) orthogonal map before the rotation (see fold_mix)
-    conditional: Optional["PosEmbed"] = None
+    conditionals: Tuple["PosEmbed", ...] = ()  # encodings that act on the tokens after some blocks, in order
     condition_layers: FrozenSet[int] = frozenset()
     mask: Optional[Tensor] = None
     mask_per_layer: bool = False  # mask is (L, ...): one per block
@@ -111,11 +111,48 @@ class PosContext:
         return self._masks[min(layer, len(self._masks) - 1)]
 
     def after_block(self, layer: int, x: Tensor) -> Tensor:
-        """``x``: ``(B, T, dim)``; applies a conditional encoding to the patch tokens only."""
+        """``x``: ``(B, T, dim)``; applies the conditional encodings of block ``layer`` to the patch tokens only."""
         if layer not in self.condition_layers:
             return x
-        p = self.num_prefix
-        return torch.cat([x[:, :p], self.conditional.condition(layer, x[:, p:], self.grid)], dim=1)
+        p, patches = self.num_prefix, x[:, self.num_prefix:]
+        for pe in self.conditionals:
+            if layer in pe.condition_layers():
+                patches = pe.condition(layer, patches, self.grid)
+        return torch.cat([x[:, :p], patches], dim=1)
+
+    @classmethod
+    def merge(cls, contexts: Sequence["PosContext"]) -> "PosContext":
+        """One context from those of a combination's parts (each built on its own coordinates), one rule per
+        mechanism: token terms add up, biases add up (per block where any is), the rotation is the rotary part's (a
+        combination has at most one), conditional parts apply in turn; the mask follows from the summed bias."""
+        first = contexts[0]
+        out = cls(first.grid, first.num_prefix)
+        out.tokens = _sum([c.tokens for c in contexts])
+        out.bias = _sum([c.bias for c in contexts])
+        out.mask_per_layer = any(c.mask_per_layer for c in contexts)
+        for name in _ROTATION:
+            setattr(out, name, next((getattr(c, name) for c in contexts if getattr(c, name) is not None), None))
+        out.conditionals = tuple(pe for c in contexts for pe in c.conditionals)
+        out.condition_layers = frozenset().union(*(c.condition_layers for c in contexts))
+        out.mask = _attention_mask(out.bias, out.grid, out.num_prefix)
+        return out
+
+
+_ROTATION = ("cos", "sin", "rot", "mats", "mix")  # what the one rotary part of a combination brings, as it built it
+
+
+def _sum(values: Sequence[Optional[Tensor]]) -> Optional[Tensor]:
+    values = [v for v in values if v is not None]
+    return None if not values else values[0] if len(values) == 1 else torch.stack(torch.broadcast_tensors(*values)).sum(0)
+
+
+def _attention_mask(bias: Optional[Tensor], grid: PatchGrid, num_prefix: int) -> Optional[Tensor]:
+    """What attention adds to its logits: the bias, and for a packed row ``-inf`` between images (a bool mask if there
+    is no bias)."""
+    if not (grid.batched and grid.segments is not None):
+        return bias
+    same = _same_image(grid.segments, num_prefix, grid.images_per_row)
+    return same if bias is None else bias.masked_fill(~same, float("-inf"))
 
 
 def _same_image(segments: Tensor, num_prefix: int, images_per_row: int) -> Tensor:
@@ -148,8 +185,24 @@ def _per_token(m: Tensor, batched: bool, extra: int) -> Tensor:
     return m.reshape(*m.shape, *([1] * extra))
 
 
+@dataclass(frozen=True)
+class PEOption:
+    """A setting of a trained encoding that may change at test time, declared by its family (``test_options``): ``name``
+    is what users write (``eval.py --pe-option FAMILY.NAME=VALUE``, :func:`vitpe.set_pe_option`), ``attr`` the attribute
+    that holds it (its setter checks the value), ``parse`` turns a command line's text into a value, ``help`` says what
+    it does. ``flag``: an ``eval.py`` flag of its own, kept from before ``--pe-option``."""
+
+    name: str
+    attr: str
+    parse: Callable[[str], Any]
+    help: str
+    flag: Optional[str] = None
+
+
 class PosEmbed(nn.Module):
-    """Base class of every positional encoding. Subclasses override the hooks they implement.
+    """Base class of every positional encoding. Subclasses override the hooks they implement, and declare what they
+    are in the class attributes below: the model, the registry, ``eval.py`` and the studies read these declarations
+    instead of naming families.
 
     Constructor contract (what ``build_pos_embed`` passes): ``dim`` (model width), ``num_heads``,
     ``ref_grid`` (the token grid the model is built for), ``depth`` (number of blocks), then the
@@ -158,6 +211,12 @@ class PosEmbed(nn.Module):
 
     name: ClassVar[str] = ""
     acts_on: ClassVar[str] = "-"  # "tokens" | "attention logits" | "q and k" | "tokens (conditional)"
+    reads_coords: ClassVar[bool] = True  # False: a function of the tokens alone (no coordinate mode or augmentation applies)
+    # What coordinates per image (coord_aug drawn per image, token dropping, packing) cost this family beyond a shared
+    # grid, where that makes a draw per batch the affordable way ("" where they cost little): a sentence after its name.
+    per_image_cost: ClassVar[str] = ""
+    cost_note: ClassVar[str] = ""  # anything else it costs beyond the model (compute, memory), a sentence after its name
+    test_options: ClassVar[Tuple[PEOption, ...]] = ()  # settings a trained model may change at test time
 
     def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1) -> None:
         super().__init__()
@@ -269,15 +328,14 @@ class PosEmbed(nn.Module):
         mats = self.rope_rotations(own)
         mix = self.rope_mix()
         magnitude = self.rope_magnitude(own)
-        ctx = PosContext(grid, num_prefix, conditional=self, condition_layers=self.condition_layers())
+        layers = self.condition_layers()
+        ctx = PosContext(grid, num_prefix, conditionals=(self,) if layers else (), condition_layers=layers)
         if tokens is not None:
             ctx.tokens = tokens.to(dtype)
         if bias is not None:
             ctx.mask_per_layer = bias.dim() == 4 + grid.batched  # (L, [B], heads, N, N)
-            ctx.mask = ctx.bias = F.pad(bias, (num_prefix, 0, num_prefix, 0)).to(dtype)  # prefix rows/cols: 0
-        if grid.batched and grid.segments is not None:
-            same = _same_image(grid.segments, num_prefix, grid.images_per_row)
-            ctx.mask = same if ctx.bias is None else ctx.bias.masked_fill(~same, float("-inf"))
+            ctx.bias = F.pad(bias, (num_prefix, 0, num_prefix, 0)).to(dtype)  # prefix rows/cols: 0
+        ctx.mask = _attention_mask(ctx.bias, grid, num_prefix)
         if mix is not None:
             ctx.mix = mix.to(dtype)
         if magnitude is not None:  # (.., N): prefix tokens take their row's first patch token's factor

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.nn.init import trunc_normal_
 
 from ..coords import PatchGrid, Size2, cell_coords, patch_units
-from .base import PosEmbed
+from .base import PEOption, PosEmbed
 from .functional import (
     fire_features,
     lattice_offsets,
@@ -20,7 +20,7 @@ from .functional import (
     relative_position_index,
     sample_bias_table,
 )
-from .registry import register_pos_embed
+from .registry import register_pos_embed, set_pe_option
 
 __all__ = ["RelativePositionBias", "ContinuousPositionBias", "FIRE", "LookHere"]
 
@@ -138,6 +138,8 @@ class ContinuousPositionBias(PosEmbed):
     trained range."""
 
     acts_on = "attention logits"
+    cost_note = ("runs its MLP (hidden_dim wide) at every distinct offset; with coordinates per image at each image's own "
+                 "offsets, which makes training with coord_aug drawn per image about 2x slower")
 
     def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, hidden_dim: int = 512) -> None:
         super().__init__(dim, num_heads, ref_grid, depth)
@@ -198,6 +200,14 @@ class FIRE(PosEmbed):
         return _spread(self.mlp(feats), index)
 
 
+def positive_number(text: str) -> float:
+    """A command line's text as a positive, finite number (LookHere's slope)."""
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise ValueError(f"must be a positive, finite number, got {text}")
+    return value
+
+
 @register_pos_embed("lookhere")
 class LookHere(PosEmbed):
     """LookHere (Fuller et al., "LookHere: Vision Transformers with Directed Attention Generalize and Extrapolate",
@@ -209,6 +219,9 @@ class LookHere(PosEmbed):
     trained range at any size."""
 
     acts_on = "attention logits"
+    test_options = (PEOption("slope", "global_slope", positive_number, "the factor of every distance penalty (as trained: 1); slope k at k "
+                             "times the training grid in interpolate mode gives extrapolate mode's penalties",
+                             flag="--lookhere-slope"),)
 
     def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, fov: float = 180.0,
                  global_slope: float = 1.0, layer_slopes: Tuple[float, float] = (1.5, 0.5)) -> None:
@@ -227,7 +240,8 @@ class LookHere(PosEmbed):
         """The factor of every distance penalty. It is not a parameter, so it can be changed on a trained model
         (the authors' ``set_pos_embed(..., global_slope=)``): at a larger grid in extrapolate mode the same slope is a
         steeper penalty per image distance. Setting it rebuilds the slopes and drops this encoding's cached biases;
-        :func:`vitpe.set_lookhere_slope` also drops those a combination or the model holds."""
+        :func:`set_lookhere_slope` (``vitpe.set_pe_option(model, "lookhere.slope", k)``) also drops those a combination or
+        the model holds."""
         return self._global_slope
 
     @global_slope.setter
@@ -252,3 +266,12 @@ class LookHere(PosEmbed):
             return values.movedim(-1, -3)  # (L, [B], H, N, N)
 
         return self.memo(grid, "bias", build)
+
+
+def set_lookhere_slope(module: nn.Module, global_slope: float) -> List[str]:
+    """Set the global slope of every LookHere encoding in ``module`` (a model, a PE): the factor of each head's distance
+    penalty, fixed, so a trained model can be evaluated with another (``eval.py --pe-option lookhere.slope=K``, or
+    ``--lookhere-slope K``). In interpolate mode, slope ``k`` at ``k`` times the training grid gives exactly the
+    penalties of extrapolate mode at slope 1. Returns the names of the encodings changed; a module without LookHere
+    raises ``ValueError``."""
+    return set_pe_option(module, "lookhere.slope", global_slope)

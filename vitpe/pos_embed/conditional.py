@@ -23,6 +23,7 @@ class PEG(PosEmbed):
     (dropped or packed) each image's tokens are scattered onto its grid, missing cells zero, and convolved there."""
 
     acts_on = "tokens (conditional)"
+    reads_coords = False  # its convolution makes position out of neighbouring tokens and the zero padding at the edge
 
     def __init__(
         self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, layers: Sequence[int] = (0,), kernel_size: int = 3

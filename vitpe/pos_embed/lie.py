@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from ..coords import PatchGrid, Size2
-from .base import PosEmbed
+from .base import PEOption, PosEmbed
 from .functional import commuting_lattice_rotations, generator_rotations, skew
 from .registry import register_pos_embed
 from .rotary import length_ratio
@@ -52,6 +52,10 @@ class MatrixRotary(PosEmbed):
 
     acts_on = "q and k"
     commuting: bool = False  # A_x A_y = A_y A_x, so exp(x A_x + y A_y) factors
+    test_options = (PEOption("scaling", "scaling", str, "past the trained extent: none, or pi (position interpolation); "
+                             "learned rotations have no frequency table for NTK, YaRN or p-RoPE", flag="--rope-scaling"),)
+    cost_note = ("rotates by dense products of a learned matrix per token, head and layer (training about 0.85x of no PE); "
+                 "those rotation tables hold depth x heads x tokens x head_dim x block_size numbers per grid")
 
     def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, block_size: int = 8,
                  init_std: Optional[float] = None, per_layer: bool = True, scaling: str = "none") -> None:
@@ -113,6 +117,9 @@ class LieRE(MatrixRotary):
     ``q . k`` depends on both positions, not only their offset; ``block_size=2`` (2x2 generators always commute) keeps
     the relative property and is RoPE-Mixed with learned frequencies."""
 
+    per_image_cost = ("takes a matrix exponential per image and token, per layer and head: training with coord_aug drawn "
+                      "per image runs about 35x slower")
+
     def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, **options) -> None:
         super().__init__(dim, num_heads, ref_grid, depth, **options)
         self.weight = self._init(2, self.num_blocks)  # (L, H, 2, K, b, b)
@@ -130,6 +137,8 @@ class ComRoPE(MatrixRotary):
     partition): each block belongs to one axis (blocks alternate x, y) and turns with it alone."""
 
     commuting = True
+    per_image_cost = ("takes matrix exponentials per image row and column, per layer and head: training with coord_aug drawn "
+                      "per image runs about 9x slower")
 
     def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, variant: str = "ld", **options) -> None:
         super().__init__(dim, num_heads, ref_grid, depth, **options)

@@ -7,12 +7,12 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Type
 import torch
 from torch import Tensor, nn
 
-from ..coords import COORD_MODES, PatchGrid, Size2
+from ..coords import CoordMode, PatchGrid, Size2
 from ..suggest import did_you_mean
-from .base import PosEmbed
+from .base import PEOption, PosContext, PosEmbed
 
-__all__ = ["register_pos_embed", "list_pos_embeds", "build_pos_embed", "pos_embed_options", "CombinedPosEmbed", "set_rope_extrapolation",
-           "set_lookhere_slope"]
+__all__ = ["register_pos_embed", "list_pos_embeds", "build_pos_embed", "pos_embed_options", "pos_embed_info", "CombinedPosEmbed",
+           "pe_parts", "pe_test_options", "set_pe_option", "set_rope_extrapolation"]
 
 _REGISTRY: Dict[str, Type[PosEmbed]] = {}
 _COMMON = ("self", "dim", "num_heads", "ref_grid", "depth")
@@ -32,7 +32,7 @@ def register_pos_embed(name: str) -> Callable[[Type[PosEmbed]], Type[PosEmbed]]:
 
 
 def list_pos_embeds() -> List[str]:
-    """Registered encoding names, in registration order. Combine them with '+', e.g. 'sincos2d+rope_mixed'."""
+    """Registered encoding names, in registration order. Combine them with '+', e.g. 'A+B'."""
     return list(_REGISTRY)
 
 
@@ -48,6 +48,26 @@ def pos_embed_options(name: str) -> Dict[str, Any]:
     return {**out, "coord_mode": None}
 
 
+def pos_embed_info(name: str) -> Dict[str, Any]:
+    """What one registered family declares about itself: what it acts on, whether it reads coordinates, whether it
+    rotates q and k or adds an attention bias, what coordinates per image cost it, other cost notes, and the options a
+    trained model of it may change at test time (``{option: help}``)."""
+    cls = _lookup(name)
+    return {"acts_on": cls.acts_on, "reads_coords": cls.reads_coords, "rotary": _overrides(cls, "rope_angles", "rope_rotations"),
+            "biased": _overrides(cls, "bias"), "per_image_cost": cls.per_image_cost, "cost_note": cls.cost_note,
+            "test_options": {o.name: o.help for o in cls.test_options}}
+
+
+def _overrides(cls: Type[PosEmbed], *hooks: str) -> bool:
+    return any(getattr(cls, h) is not getattr(PosEmbed, h) for h in hooks)
+
+
+def _families(has: Callable[[Type[PosEmbed]], bool]) -> str:
+    """The registered families for which ``has(cls)``, as a phrase: 'a, b and c'."""
+    names = [n for n, c in _REGISTRY.items() if has(c)]
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
+
+
 def _lookup(name: str) -> Type[PosEmbed]:
     if name not in _REGISTRY:
         raise ValueError(
@@ -57,7 +77,7 @@ def _lookup(name: str) -> Type[PosEmbed]:
 
 
 def build_pos_embed(name: str, *, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, **options: Any) -> PosEmbed:
-    """Build a positional encoding by registry name, or a '+'-combination such as ``"sincos2d+rope_mixed"``.
+    """Build a positional encoding by registry name, or a '+'-combination of them (``"A+B"``: an additive encoding with a rotary one, say).
 
     In a combination, an option goes to every part that accepts it; ``"part.option"`` targets one part.
     An unknown name, or an option no part accepts, raises ``ValueError`` naming the valid ones.
@@ -80,8 +100,8 @@ def build_pos_embed(name: str, *, dim: int, num_heads: int, ref_grid: Size2, dep
             raise ValueError(
                 f"unknown option {key!r} for positional encoding {name!r}{did_you_mean(key, valid)}; valid options: {', '.join(valid)}"
             )
-        if opt == "coord_mode" and value is not None and value not in COORD_MODES:
-            raise ValueError(f"{key}={value!r} is not a coordinate mode{did_you_mean(value, list(COORD_MODES))}; choose one of {', '.join(COORD_MODES)}")
+        if opt == "coord_mode" and value is not None:
+            value = CoordMode.parse(value, key)
         for t in targets:
             per_part[t][opt] = value
     common = dict(dim=dim, num_heads=num_heads, ref_grid=ref_grid, depth=depth)
@@ -94,8 +114,9 @@ def build_pos_embed(name: str, *, dim: int, num_heads: int, ref_grid: Size2, dep
 
 
 class CombinedPosEmbed(PosEmbed):
-    """Several encodings at once (e.g. RoPE-ViT's "+APE" variants): token terms and biases add up,
-    at most one rotary part, conditional parts apply after their own blocks."""
+    """Several encodings at once (e.g. RoPE-ViT's "+APE" variants). Each part builds its own context on its own
+    coordinates, and :meth:`PosContext.merge` combines them, one rule per mechanism: token terms and biases add up, at
+    most one part rotates q and k, conditional parts apply after their own blocks."""
 
     acts_on = "combined"
 
@@ -115,48 +136,60 @@ class CombinedPosEmbed(PosEmbed):
     def biased(self) -> bool:
         return any(p.biased for p in self.parts)
 
-    @staticmethod
-    def _sum(values: List[Optional[Tensor]]) -> Optional[Tensor]:
-        values = [v for v in values if v is not None]
-        return None if not values else values[0] if len(values) == 1 else torch.stack(torch.broadcast_tensors(*values)).sum(0)
-
-    def tokens(self, grid: PatchGrid) -> Optional[Tensor]:
-        return self._sum([p.tokens(p.own_grid(grid)) for p in self.parts])
-
-    def bias(self, grid: PatchGrid) -> Optional[Tensor]:
-        return self._sum([p.bias(p.own_grid(grid)) for p in self.parts])
-
-    def rope_angles(self, grid: PatchGrid) -> Optional[Tensor]:
-        return self._sum([p.rope_angles(p.own_grid(grid)) for p in self.parts])
-
-    def rope_rotations(self, grid: PatchGrid) -> Optional[Tensor]:
-        return self._sum([p.rope_rotations(p.own_grid(grid)) for p in self.parts])  # at most one part is rotary
-
-    def rope_mix(self) -> Optional[Tensor]:
-        return self._sum([p.rope_mix() for p in self.parts])
-
-    def rope_magnitude(self, grid: PatchGrid) -> Optional[Tensor]:
-        return self._sum([p.rope_magnitude(p.own_grid(grid)) for p in self.parts])
+    @property
+    def reads_coords(self) -> bool:
+        return any(p.reads_coords for p in self.parts)
 
     def condition_layers(self) -> FrozenSet[int]:
         return frozenset().union(*(p.condition_layers() for p in self.parts))
 
+    def _build_context(self, grid: PatchGrid, num_prefix: int, dtype: torch.dtype) -> PosContext:
+        return PosContext.merge([p.context(grid, num_prefix, dtype) for p in self.parts])
+
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
         return {f"parts.{i}.{k}": v for i, p in enumerate(self.parts) for k, v in p.from_timm(weights).items()}
 
-    def condition(self, layer: int, x: Tensor, grid: PatchGrid) -> Tensor:
-        for p in self.parts:
-            if layer in p.condition_layers():
-                x = p.condition(layer, x, grid)
-        return x
+
+def pe_parts(module: nn.Module) -> List[PosEmbed]:
+    """Every encoding in ``module`` (a model, a PE), a combination counted as its parts."""
+    return [m for m in module.modules() if isinstance(m, PosEmbed) and not isinstance(m, CombinedPosEmbed)]
 
 
 def _clear_caches(module: nn.Module) -> None:
-    """Drop every encoding's cached contexts in ``module``: after a test-time control changed, those cached by a
+    """Drop every encoding's cached contexts in ``module``: after a test-time option changed, those cached by a
     combination or the model still hold what the old setting computed."""
     for m in module.modules():
         if isinstance(m, PosEmbed):
             m.clear_cache()
+
+
+def pe_test_options(module: Optional[nn.Module] = None) -> Dict[str, PEOption]:
+    """The test-time options the encodings in ``module`` declare (``None``: every registered family), as
+    ``{"family.option": PEOption}``."""
+    owners = [(c.name, c) for c in _REGISTRY.values()] if module is None else [(p.name, p) for p in pe_parts(module)]
+    return {f"{name}.{o.name}": o for name, owner in owners for o in owner.test_options}
+
+
+def set_pe_option(module: nn.Module, key: str, value: Any) -> List[str]:
+    """Set a test-time option on every encoding in ``module`` (a model, a PE) that declares it: ``key`` is ``option``
+    (every part that takes it) or ``family.option`` (that family's); a text ``value`` is parsed as the option says.
+    ``eval.py --pe-option KEY=VALUE`` is this. Returns the names of the encodings changed; an option no encoding of
+    the model takes, or a value it refuses, raises ``ValueError`` in one line."""
+    family, _, name = key.rpartition(".")
+    targets = [(p, o) for p in pe_parts(module) for o in p.test_options if o.name == name and family in ("", p.name)]
+    if not targets:
+        declared = list(pe_test_options(module))
+        names = "+".join(p.name for p in pe_parts(module)) or "none"
+        raise ValueError(f"no positional encoding of this model ({names}) takes the test-time option {key!r}"
+                         f"{did_you_mean(key, declared + sorted({d.partition('.')[2] for d in declared}))}; "
+                         + (f"its options: {', '.join(declared)}" if declared else "it has none"))
+    for pe, option in targets:
+        try:
+            setattr(pe, option.attr, option.parse(value) if isinstance(value, str) else value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{pe.name}.{option.name}={value!r}: {e}") from None
+    _clear_caches(module)
+    return [pe.name for pe, _ in targets]
 
 
 def set_rope_extrapolation(module: nn.Module, scaling: Optional[str] = None, p_rope: Optional[float] = None) -> List[str]:
@@ -164,31 +197,19 @@ def set_rope_extrapolation(module: nn.Module, scaling: Optional[str] = None, p_r
     ``"pi"``, ``"ntk"``, ``"yarn"``) and ``p_rope`` (fraction of lowest frequencies left unrotated); ``None`` keeps the
     current value. At evaluation time this is ``eval.py --rope-scaling``. Returns the names of the encodings changed;
     a module with no rotary encoding, or a control an encoding does not take, raises ``ValueError``."""
-    rotary = [m for m in module.modules() if isinstance(m, PosEmbed) and m.rotary and not isinstance(m, CombinedPosEmbed)]
+    rotary = [p for p in pe_parts(module) if p.rotary]
     if not rotary:
-        names = [n for n, c in _REGISTRY.items() if c.rope_angles is not PosEmbed.rope_angles or c.rope_rotations is not PosEmbed.rope_rotations]
-        raise ValueError(f"this model has no rotary positional encoding, so RoPE extrapolation controls do not apply; rotary families: {', '.join(names)}")
+        raise ValueError("this model has no rotary positional encoding, so RoPE extrapolation controls do not apply; rotary "
+                         f"families: {_families(lambda c: _overrides(c, 'rope_angles', 'rope_rotations'))}")
+    given = {option: value for option, value in (("scaling", scaling), ("p_rope", p_rope)) if value is not None}
+    declares = lambda cls, name: any(o.name == name for o in cls.test_options)  # noqa: E731
+    for option in given:
+        lacking = [p.name for p in rotary if not declares(p, option)]
+        if lacking:
+            raise ValueError(f"{lacking[0]} does not take {option} (it has no frequency table for it to act on); {option} "
+                             f"applies to {_families(lambda c: declares(c, option))}")
     for pe in rotary:
-        if scaling is not None:
-            pe.scaling = scaling
-        if p_rope is not None:
-            if not hasattr(pe, "p_rope"):
-                raise ValueError(f"{pe.name} has no frequency table for p-RoPE to act on; p_rope applies to rope_axial, "
-                                 "rope_mixed, rope_golden and string")
-            pe.p_rope = p_rope
+        for option, value in given.items():
+            setattr(pe, next(o.attr for o in pe.test_options if o.name == option), value)
     _clear_caches(module)
     return [pe.name for pe in rotary]
-
-
-def set_lookhere_slope(module: nn.Module, global_slope: float) -> List[str]:
-    """Set the global slope of every LookHere encoding in ``module`` (a model, a PE): the factor of each head's
-    distance penalty, fixed, so a trained model can be evaluated with another (``eval.py --lookhere-slope``). In
-    interpolate mode, slope ``k`` at ``k`` times the training grid gives exactly the penalties of extrapolate mode at
-    slope 1. Returns the names of the encodings changed; a module without LookHere raises ``ValueError``."""
-    found = [m for m in module.modules() if isinstance(m, PosEmbed) and hasattr(type(m), "global_slope")]
-    if not found:
-        raise ValueError("this model has no lookhere positional encoding, so a LookHere slope does not apply")
-    for pe in found:
-        pe.global_slope = global_slope
-    _clear_caches(module)
-    return [pe.name for pe in found]

@@ -7,8 +7,8 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor, nn
 
-from ..coords import PatchGrid, Size2, _extent
-from .base import PosEmbed
+from ..coords import PatchGrid, Size2, reference_extent
+from .base import PEOption, PosEmbed
 from .functional import (
     ROPE_SCALINGS,
     axial_rope_freqs,
@@ -36,7 +36,7 @@ def length_ratio(pe: PosEmbed, grid: PatchGrid) -> Optional[Tensor]:
     if grid.mode not in ("extrapolate", "extend") or (
             not grid.batched and grid.size[0] <= pe.ref_grid[0] and grid.size[1] <= pe.ref_grid[1]):
         return None
-    ref = _extent(torch.tensor([pe.ref_grid[1], pe.ref_grid[0]]), pe.ref_grid, grid.mode)
+    ref = reference_extent(pe.ref_grid, grid.mode)
     if grid.batched:
         return grid.sizes.float() / ref.to(grid.sizes.device)
     return torch.tensor([grid.size[1], grid.size[0]], dtype=torch.float32) / ref
@@ -55,6 +55,13 @@ class RotaryPosEmbed(PosEmbed):
     """
 
     acts_on = "q and k"
+    test_options = (
+        PEOption("scaling", "scaling", str, "frequencies past the trained extent (extrapolate or extend mode): "
+                 + ", ".join(ROPE_SCALINGS), flag="--rope-scaling"),
+        PEOption("p_rope", "p_rope", float, "fraction of each head's lowest frequencies left unrotated (p-RoPE)", flag="--p-rope"),
+        PEOption("yarn_alpha", "yarn_alpha", float, "YaRN's lower band edge, in turns over the trained extent"),
+        PEOption("yarn_beta", "yarn_beta", float, "YaRN's upper band edge, in turns over the trained extent"),
+    )
 
     def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, scaling: str = "none",
                  p_rope: float = 0.0, yarn_alpha: float = 1.0, yarn_beta: float = 32.0) -> None:
@@ -100,7 +107,7 @@ class RotaryPosEmbed(PosEmbed):
         ratio = length_ratio(self, grid) if self.scaling != "none" else None
         if ratio is None:
             return rope_angles(coords, freqs)
-        ref = _extent(torch.tensor([self.ref_grid[1], self.ref_grid[0]]), self.ref_grid, grid.mode).to(freqs)
+        ref = reference_extent(self.ref_grid, grid.mode).to(freqs)
         scale = rope_freq_scale(freqs.detach(), ratio.to(freqs), self.scaling, ref, self.yarn_alpha, self.yarn_beta)
         if not grid.batched:
             return rope_angles(coords, freqs * scale)

@@ -1,0 +1,166 @@
+"""The library's structure: its modules import one another without a circle, the study side (benchmarks/) is never
+imported by it, and the core names no family (a family's knowledge lives in its family file)."""
+import ast
+import re
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pytest
+import torch
+from conftest import ROOT
+
+import vitpe
+
+PACKAGE = ROOT / "vitpe"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, modules: Set[str]) -> Set[str]:
+    """The vitpe modules ``path`` imports anywhere in it (functions included): ``from .x import y`` names module
+    ``x.y`` where that is a module, else ``x``."""
+    here = module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n in modules and n != here}
+    return out
+
+
+def graph() -> Dict[str, Set[str]]:
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: imports(path, set(files)) for name, path in files.items()}
+
+
+def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    """Every strongly connected group of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_in_the_library():
+    edges = graph()
+    assert len(edges) > 30 and "vitpe.pos_embed.base" in edges["vitpe.pos_embed.registry"]  # the reader finds imports
+    assert cycles(edges) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check can fail
+
+
+def test_the_library_never_imports_the_study_side():
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
+        assert not [n for n in names if n.split(".")[0] in ("benchmarks", "studykit", "tests", "conftest")], path
+
+
+CORE = ["vit.py", "evaluation.py", "training.py", "config.py", "engine.py", "pos_embed/registry.py", "pos_embed/base.py"]
+
+
+def test_the_core_names_no_family():
+    """No family's name or class in the modules every family passes through: they read what the families declare
+    instead. A family named by an English word ('none' is also 'off' in many options; 'learned', 'string', 'fire') is
+    looked for in quotes only."""
+    from vitpe.pos_embed import registry
+
+    words = {"none", "learned", "string", "fire", "fourier"} & set(vitpe.list_pos_embeds())
+    names = [n for n in vitpe.list_pos_embeds() if n not in words]
+    classes = sorted({cls.__name__ for cls in registry._REGISTRY.values()} | {"MatrixRotary", "RotaryPosEmbed"})
+    quoted = re.compile(r"""["'`](%s)["'`.]""" % "|".join(sorted(words - {"none"})))
+    named = re.compile(r"\b(%s)\b" % "|".join(names + classes))
+    assert named.findall("a vit with rope_mixed or LookHere") == ["rope_mixed", "LookHere"]  # the check can fail
+    for rel in CORE:
+        text = (PACKAGE / rel).read_text()
+        assert not quoted.findall(text) and not named.findall(text), (rel, quoted.findall(text), named.findall(text))
+
+
+def test_families_declare_what_they_are():
+    info = {n: vitpe.pos_embed_info(n) for n in vitpe.list_pos_embeds()}
+    assert {n for n, i in info.items() if not i["reads_coords"]} == {"none", "peg"}
+    assert {n for n, i in info.items() if i["per_image_cost"]} == {"liere", "comrope"}
+    assert all("scaling" in i["test_options"] for i in info.values() if i["rotary"])
+    assert {n for n, i in info.items() if "p_rope" in i["test_options"]} == {"rope_axial", "rope_mixed", "rope_golden", "string"}
+    assert info["lookhere"]["test_options"] and info["lookhere"]["biased"] and not info["lookhere"]["rotary"]
+    assert "lookhere.slope" in vitpe.pe_test_options()  # every registered family's, for eval.py's flags and help
+    model = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=3,
+                                    pos_embed="learned+lookhere+rope_axial")
+    assert list(vitpe.pe_test_options(model)) == ["lookhere.slope", "rope_axial.scaling", "rope_axial.p_rope",
+                                                  "rope_axial.yarn_alpha", "rope_axial.yarn_beta"]
+    assert vitpe.set_pe_option(model, "p_rope", "0.5") == ["rope_axial"] and model.pos_embed.parts[2].p_rope == 0.5
+    for key, value, message in (("slop", 1, r"takes the test-time option 'slop' \(did you mean 'slope'\?\)"),
+                                ("learned.slope", 1, "its options: lookhere.slope"),
+                                ("lookhere.slope", "-2", r"lookhere.slope='-2': must be a positive, finite number")):
+        with pytest.raises(ValueError, match=message):
+            vitpe.set_pe_option(model, key, value)
+
+
+def test_a_new_family_with_a_test_time_option_is_one_class():
+    """What a family file holds is enough: registered, it builds, combines with other mechanisms, trains a step, and
+    its declared option is set by name (eval.py's --pe-option path) with its caches dropped."""
+    from vitpe.evaluation import parse_pe_options
+    from vitpe.pos_embed import PEOption, PosEmbed, register_pos_embed, registry
+
+    class Ramp(PosEmbed):
+        acts_on = "attention logits"
+        test_options = (PEOption("strength", "strength", float, "the factor of the distance penalty"),)
+
+        def __init__(self, dim, num_heads, ref_grid, depth=1, *, strength: float = 1.0):
+            super().__init__(dim, num_heads, ref_grid, depth)
+            self.strength = strength
+
+        def bias(self, grid):
+            d = (grid.coords[..., :, None, :] - grid.coords[..., None, :, :]).norm(dim=-1)
+            return -self.strength * d.unsqueeze(-3).expand(*d.shape[:-2], self.num_heads, *d.shape[-2:])
+
+    register_pos_embed("test_ramp")(Ramp)
+    try:
+        model = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3,
+                                        pos_embed="sincos2d+test_ramp+rope_mixed", coord_aug={"shift": 0.5}).eval()
+        x = torch.randn(2, 3, 24, 16)
+        with torch.no_grad():
+            before = model(x)
+            assert parse_pe_options(["test_ramp.strength=3"]) == [("test_ramp.strength", "3")]
+            assert vitpe.set_pe_option(model, "test_ramp.strength", "3") == ["test_ramp"]
+            assert not torch.allclose(model(x), before)  # the combination's cached context was dropped
+        model.train()
+        model(torch.randn(2, 3, 16, 16)).sum().backward()  # per-image coordinates (coord_aug) and gradients
+    finally:
+        registry._REGISTRY.pop("test_ramp")
