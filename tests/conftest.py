@@ -12,7 +12,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # the scripts import their shared 
 
 # Every registered family plus combinations that exercise each way of combining (additive+rotary,
 # additive+bias+conditional, additive+per-layer bias+rotary with an orthogonal mix, additive+matrix rotary).
-ALL_PE = vitpe.list_pos_embeds() + ["sincos2d+rope_mixed", "learned+rel_bias+peg", "learned+lookhere+string", "sincos2d+liere"]
+ALL_PE = vitpe.list_pos_embeds() + ["sincos2d+rope_mixed", "learned+rel_bias+peg", "learned+lookhere+string", "sincos2d+liere",
+                                     "alibi2d+pape+rope_axial"]
 
 
 def load_benchmark(name: str):

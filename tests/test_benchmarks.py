@@ -647,7 +647,7 @@ def test_studykit_sdpa_override_reaches_vitpe_and_equipped_timm_attention_and_re
     t = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=3).eval()
     vitpe.equip_timm_vit(t, "rope_mixed")
     x = torch.randn(2, 3, 16, 16)
-    hot = lambda q, k, v, **kw: sdpa(q, k, v, scale=2.0, **kw)  # noqa: E731 (sharper attention)
+    hot = lambda q, k, v, **kw: sdpa(q, k, v, **{**kw, "scale": 2.0})  # noqa: E731 (sharper attention)
     with torch.no_grad():
         before = model(x)
         for m, xs in ((model, x), (t, torch.randn(2, 3, 32, 32))):

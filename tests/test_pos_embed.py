@@ -7,7 +7,8 @@ from conftest import ALL_PE
 import vitpe
 from vitpe.pos_embed import functional as PF
 
-FAMILIES = ["none", "sincos2d", "fourier", "fourier_learned", "learned", "rel_bias", "cpb", "fire", "lookhere", "rope_axial",
+FAMILIES = ["none", "sincos2d", "fourier", "fourier_learned", "learned", "rel_bias", "cpb", "fire", "lookhere", "alibi2d", "pape",
+            "rope_axial",
             "rope_mixed", "rope_golden", "string", "liere", "comrope", "peg"]
 
 
@@ -70,7 +71,13 @@ def _encodings(pe, grid):
     """Everything the encoding contributes on ``grid``, as plain tensors."""
     ctx = pe.context(grid)
     parts = (("tokens", ctx.tokens), ("bias", ctx.bias), ("cos", ctx.cos), ("sin", ctx.sin), ("mats", ctx.mats), ("mix", ctx.mix))
-    return {k: v for k, v in parts if v is not None}
+    out = {k: v for k, v in parts if v is not None}
+    if ctx.extenders:  # features computed from the tokens: the same tokens on both grids
+        n = grid.coords.shape[-2]
+        x = torch.randn(1, n, pe.dim, generator=torch.Generator().manual_seed(n))
+        q, k, _ = ctx.extend(torch.zeros(1, pe.num_heads, n, 1), torch.zeros(1, pe.num_heads, n, 1), x, 0)
+        out.update(extra_q=q, extra_k=k)
+    return out
 
 
 @pytest.mark.parametrize("pe_name", [p for p in ALL_PE if p != "none" and p != "peg"])
@@ -172,7 +179,9 @@ def test_prefix_tokens_get_no_position_and_do_not_shift_the_grid():
 def test_order_matters_exactly_when_there_is_a_positional_encoding(pe):
     model = small_vit(pe, img=32, patch=8, class_token=False, pool="mean").eval()
     with torch.no_grad():  # at init attention is near uniform and bias tables near zero: give both a trained scale
-        for p in list(model.pos_embed.parameters()) + [b.attn.qkv.weight for b in model.blocks]:
+        # (PaPE's parabolas, 20x steeper, would make each patch attend to itself alone: order-blind, like no attention)
+        scaled = [p for n, p in model.pos_embed.named_parameters() if "coefficients" not in n and "position." not in n]
+        for p in scaled + [b.attn.qkv.weight for b in model.blocks]:
             p.mul_(20)
     x = torch.randn(2, 3, 32, 32)
     patches = x.unfold(2, 8, 8).unfold(3, 8, 8)  # (B, C, 4, 4, 8, 8)

@@ -140,5 +140,5 @@ def test_resolution_transfer_report_tables_are_the_record():
     report = (ROOT / "docs" / "resolution_transfer.md").read_text()
     for data in rt.DATASETS:
         table = rt.summary_table(rows, data)
-        assert len(table) == 2 + len(rt.vitpe.list_pos_embeds()), data
+        assert len(table) == 2 + len({r["pe"] for r in rows if r["data"] == data}) >= 18, data
         assert "\n".join(table) in report, data

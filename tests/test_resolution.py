@@ -124,3 +124,25 @@ def test_eval_patch_route(tmp_path):
     assert same[0] == same[1]  # at the training size both routes are the same model
     with pytest.raises(ConfigError, match="keeps the 4x4 token grid"):
         eval_script.main([str(tmp_path / "r"), "--resolutions", "18", "--route", "patch", "--out", str(tmp_path / "x")])
+
+
+def test_eval_resize_route_is_the_baseline_a_user_has(tmp_path, capsys):
+    """--route resize resizes each image back to the model's own size: at the training size it is the coordinate route
+    itself, at any other (not a multiple of the patch too) a row of its own; a multi-size model says what it resizes to."""
+    assert train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "r", "--epochs", "1"]) == 0
+    out = tmp_path / "ev"
+    assert eval_script.main([str(tmp_path / "r"), "--resolutions", "16", "32", "--route", "all", "--diagnostics", "0",
+                             "--test-size", "64", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert {(r["route"], r["resolution"]) for r in rows} == {(route, size) for route in ("coords", "patch", "resize") for size in ("16", "32")}
+    at = {(r["route"], r["resolution"]): r for r in rows}
+    assert at[("resize", "16")]["top1"] == at[("coords", "16")]["top1"] and at[("resize", "32")]["tokens_per_image"] == 16
+    assert "(image resized to 16)" in at[("resize", "32")]["label"]
+    assert eval_script.main([str(tmp_path / "r"), "--resolutions", "18", "--route", "resize", "--diagnostics", "0",
+                             "--test-size", "16", "--out", str(tmp_path / "odd")]) == 0  # any size: it is resized anyway
+    assert train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "m", "--epochs", "1",
+                              "--set", "train.resolutions=[16, 24]"]) == 0
+    capsys.readouterr()
+    assert eval_script.main([str(tmp_path / "m"), "--resolutions", "32", "--route", "resize", "--diagnostics", "0",
+                             "--test-size", "16", "--out", str(tmp_path / "mm")]) == 0
+    assert "--route resize resizes every image to 16x16" in capsys.readouterr().err

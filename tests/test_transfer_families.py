@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import vitpe
 from vitpe.pos_embed import functional as PF
@@ -329,3 +330,49 @@ def test_lookhere_slope_k_at_k_times_the_grid_in_interpolate_mode_is_extrapolate
     for bad in (0.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="must be positive and finite"):
             set_lookhere_slope(model, bad)
+
+
+def test_alibi2d_is_a_line_in_the_euclidean_distance_with_alibis_slopes():
+    from vitpe.pos_embed.functional import alibi_slopes
+
+    # ALiBi's slopes: 2^(-8k/n) for a power of two; else the nearest power below, then every other one of the next up.
+    assert alibi_slopes(8).tolist() == [2.0 ** -k for k in range(1, 9)]
+    assert alibi_slopes(3).tolist() == [2.0 ** -4, 2.0 ** -8, 2.0 ** -2]
+    assert alibi_slopes(6).tolist() == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]
+    pe = vitpe.build_pos_embed("alibi2d", dim=32, num_heads=4, ref_grid=(4, 5))
+    for mode, size in (("interpolate", (8, 10)), ("extrapolate", (6, 7)), ("interpolate", (4, 5))):
+        grid = vitpe.PatchGrid.create(size, (4, 5), mode)
+        c = grid.coords
+        expected = -alibi_slopes(4)[:, None, None] * (c[:, None] - c[None]).norm(dim=-1)
+        torch.testing.assert_close(pe.bias(grid), expected)
+    grid = vitpe.PatchGrid.create((4, 5))
+    before = pe.bias(grid)
+    assert vitpe.set_pe_option(pe, "alibi2d.slope_scale", "2") == ["alibi2d"]
+    torch.testing.assert_close(pe.bias(grid), 2 * before)  # a test-time option: the cached bias is not reused
+
+
+def test_pape_adds_a_parabola_in_each_projected_offset_that_the_query_shapes():
+    """The features PaPE appends to q and k make q.k grow by sum_k -a_k d_k^2 + b_k d_k (scaled as q.k), d_k the
+    projected offset, a_k = softplus and b_k linear in the query's token (the paper's eq.; its code's layout)."""
+    torch.manual_seed(0)
+    model = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3,
+                                    pos_embed="pape", pos_embed_kwargs={"parabolas": 3}).eval()
+    pe, x = model.pos_embed, torch.randn(2, 3, 24, 16)
+    with torch.no_grad():
+        tokens, pos = model.embed(x)
+        xn = model.blocks[1].norm1(tokens)
+        logits = model.blocks[1].attn.attention_logits(xn, pos, 1)
+        q, k, _ = model.blocks[1].attn._split(xn, pos)
+        p = pe.position[1](vitpe.PatchGrid.create((6, 4), (4, 4)).coords).view(24, 2, 3).transpose(0, 1)  # (H, N, P)
+        ab = pe.coefficients[1](xn[:, 1:]).view(2, 24, 2, 2, 3).permute(2, 0, 3, 1, 4)
+        d = p[:, :, None] - p[:, None]  # (H, N, N, P): query minus key
+        extra = (-F.softplus(ab[0])[:, :, :, None] * d ** 2 + ab[1][:, :, :, None] * d).sum(-1)
+        expected = q @ k.transpose(-2, -1) / 4.0
+        expected[:, :, 1:, 1:] += extra / 4.0  # the class token carries no position
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        fast = model.blocks[1].attn(xn, pos, 1)
+        _, _, v = model.blocks[1].attn._split(xn, pos)
+        torch.testing.assert_close(fast, model.blocks[1].attn.proj(torch.einsum("bhqk,bhkd->bqhd", logits.softmax(-1), v).flatten(2)),
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="at least one parabola"):
+        vitpe.build_pos_embed("pape", dim=32, num_heads=2, ref_grid=4, parabolas=0)

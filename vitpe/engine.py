@@ -209,6 +209,7 @@ def evaluate(
     patch_size: Optional[int] = None,
     tta: str = "none",
     grid_of: Optional[Callable[[nn.Module, Tensor], Any]] = None,
+    resize_to: Optional[Tuple[int, int]] = None,
 ) -> Dict[str, float]:
     """Top-1, top-5 (when there are more than 5 classes), mean cross-entropy and per-class top-1 over a split.
 
@@ -216,13 +217,18 @@ def evaluate(
     ``tta``: average the predicted probabilities over test-time views (:data:`vitpe.data.augment.TTA_MODES`).
     ``grid_of(model, x)``: the coordinates a vitpe ViT gets for each normalized batch ``x`` (a
     :class:`~vitpe.coords.PatchGrid`; default: its own), for probes that move the positions and nothing else.
+    ``resize_to=(h, w)``: each batch is resized to that size first (antialiased), as a user would resize an image to the
+    size a model was trained at: the baseline of every resolution-transfer claim.
     """
+    from vitpe.data import resize_images
+
     was_training = model.training
     model.eval()
     scores = Scores()
     kwargs = {} if patch_size is None else {"patch_size": patch_size}
     for s in progress_steps(len(labels), batch_size, desc, progress):
-        x = normalize(images[s : s + batch_size].to(device, non_blocking=True), mean, std)
+        batch = images[s : s + batch_size]
+        x = normalize((batch if resize_to is None else resize_images(batch, resize_to)).to(device, non_blocking=True), mean, std)
         probs = 0.0
         views = tta_views(x, tta)
         for view in views:

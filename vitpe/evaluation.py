@@ -31,7 +31,7 @@ import torch
 from vitpe.checkpoint import check_classes, checkpoint_config, find_checkpoint, model_from_checkpoint
 from vitpe.config import Config, ConfigError
 from vitpe.coords import COORD_MODES, snap
-from vitpe.data import load_dataset
+from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import TTA_MODES, normalize
 from vitpe.engine import amp_dtype, attention_bytes, autocast, evaluate, evaluate_native, memory_available, memory_plan, resolve_device
 from vitpe.errors import run_cli
@@ -99,9 +99,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         if option.flag and option.flag not in p._option_string_actions:
             p.add_argument(option.flag, dest="pe_options", action=_PEOptionFlag, const=key, type=_option_type(option),
                            metavar=option.name.upper(), help=f"the same as --pe-option {key}=VALUE: {option.help}")
-    p.add_argument("--route", choices=["coords", "patch", "both"], default="coords",
-                   help="meet a new resolution with new coordinates on a new token grid (coords), or by resizing the "
-                        "patch embedding to keep the trained grid (patch: FlexiViT's PI-resize)")
+    p.add_argument("--route", choices=["coords", "patch", "resize", "both", "all"], default="coords",
+                   help="meet a new resolution with new coordinates on a new token grid (coords), by resizing the patch "
+                        "embedding to keep the trained grid (patch: FlexiViT's PI-resize), or by resizing the image back to "
+                        "the model's own size (resize: the baseline); both: coords and patch; all: the three")
     p.add_argument("--native", action="store_true",
                    help="also evaluate every test image at its own aspect ratio with the training size's area, packed "
                         "(NaViT; an image folder keeps each file's aspect ratio, other datasets are square)")
@@ -186,7 +187,8 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
                 diagnostics: int = 0) -> Iterator[Dict]:
     """``model`` on ``ds``'s test split for each ``(coord_mode, route, (h, w))`` of ``plan``: route ``"coords"`` meets
     the size with new coordinates on a new token grid, ``"patch"`` with FlexiViT's resized patch embedding on the
-    trained grid, ``"native"`` gives every image its own aspect ratio at the area of ``h x w``, packed. Yields one row
+    trained grid, ``"resize"`` resizes each image back to the model's own size (the baseline a user has for free),
+    ``"native"`` gives every image its own aspect ratio at the area of ``h x w``, packed. Yields one row
     per entry as it finishes: top-1, top-5, loss, per-class top-1, n, the patch tokens per image the model computed
     with, images/s of the evaluation itself and seconds in all (with loading and resizing). ``tta``: test-time
     augmentation (not for the native route, whose packed rows hold images of different sizes). ``diagnostics=N``: also
@@ -206,11 +208,13 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
         else:
             images, labels = ds.split_at(False, (h, w))  # a large size's split is made batch by batch
             patch = h // ref_h if route == "patch" else None
+            resize = model.img_size if route == "resize" else None
             t1 = time.time()
             res = evaluate(model, images, labels, ds.mean, ds.std, bs, device, dtype, progress=True,
-                           desc=f"{desc} @ {h}x{w}", patch_size=patch, tta=tta)
+                           desc=f"{desc} @ {h}x{w}", patch_size=patch, tta=tta, resize_to=resize)
             seconds = time.time() - t1
-            sample = normalize(images[: max(diagnostics, 1)].to(device), ds.mean, ds.std)
+            first = images[: max(diagnostics, 1)]
+            sample = normalize((first if resize is None else resize_images(first, resize)).to(device), ds.mean, ds.std)
             with torch.no_grad(), autocast(device, dtype):  # the tokens the model computes with (content_keep selects)
                 tokens = model.embed(sample[:1], patch_size=patch)[0]
             res["tokens_per_image"] = tokens.shape[1] - model.num_prefix_tokens
@@ -376,7 +380,10 @@ def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets
     cfg = checkpoint_config(state)
     patch, train_size = model.patch_size, cfg.model.img_size
     resolutions = args.resolutions or default_resolutions(train_size, patch)
-    routes = ["coords", "patch"] if args.route == "both" else [args.route]
+    routes = {"both": ["coords", "patch"], "all": ["coords", "patch", "resize"]}.get(args.route, [args.route])
+    if "resize" in routes and (cfg.train.resolutions or cfg.train.resolution_range):
+        print(f"note: --route resize resizes every image to {train_size}x{train_size}, {ckpt}'s reference size (it was "
+              f"trained at {cfg.train.resolutions or cfg.train.resolution_range} too)", file=sys.stderr)
     ref_h, ref_w = model.ref_grid
     for h, w in resolutions:
         if "coords" in routes and (h % patch or w % patch):
@@ -412,9 +419,10 @@ def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets
             controls += f" [{key} {text}]"
     except ValueError as e:
         raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
+    new_grid = [(hw, None) for hw in resolutions if "coords" in routes or "resize" in routes]  # resize: planned as its size
+    patched = [(hw, hw[0] // ref_h) for hw in resolutions if "patch" in routes and patch_fits(model, *hw)]
     return RunPlan(ckpt, model, state, cfg, ds, name, modes, routes, resolutions, controls,
-                   memory_plan(model, [(hw, None) for hw in resolutions if "coords" in routes] + [(hw, hw[0] // ref_h) for hw in resolutions
-                                       if "patch" in routes and patch_fits(model, *hw)] + [((train_size,) * 2, None)], args.batch_size, device, str(ckpt),
+                   memory_plan(model, new_grid + patched + [((train_size,) * 2, None)], args.batch_size, device, str(ckpt),
                                (train_size,) * 2))
 
 
@@ -433,10 +441,10 @@ def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, 
         variants = [(m, r) for r in run.routes for m in (run.modes if r == "coords" else run.modes[:1])]  # patch route: the trained grid
         for mode, route in variants:
             label = cfg.model.pos_embed + (f" ({mode})" if len(run.modes) > 1 or args.coord_mode != "checkpoint" else "") + run.controls
-            label += " (patch resize)" if route == "patch" else ""
+            label += {"patch": " (patch resize)", "resize": f" (image resized to {train_size})"}.get(route, "")
             if any(r["label"] == label and r["run"] != str(run.ckpt) for r in rows):
                 label = f"{label} [{Path(run.ckpt).name}]"
-            sizes = [hw for hw in run.resolutions if route == "coords" or patch_fits(model, *hw)]
+            sizes = [hw for hw in run.resolutions if route != "patch" or patch_fits(model, *hw)]
             plan = [(mode, route, hw) for hw in sizes] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
             for row in evaluate_at(model, ds, plan, device, dtype, run.batch, label, args.tta, args.diagnostics):
                 rows.append({"run": str(run.ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": run.data,
@@ -484,8 +492,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not rows and made:
             shutil.rmtree(out, ignore_errors=True)
     if not rows:
-        print("\ninterrupted before any size finished; nothing written", file=sys.stderr)
-        return 130
+        print("\ninterrupted before any size finished; nothing written" if interrupted else
+              "\nno size to evaluate on the routes asked for; nothing written", file=sys.stderr)
+        return 130 if interrupted else 1
     if len({r["data"] for r in rows}) > 1:  # runs on different data share the table: each line says which
         for r in rows:
             r["label"] += f" on {r['data']}"

@@ -97,7 +97,7 @@ def _equipped_attention(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_
             "(forward, forward_features, forward_intermediates), which computes the PE for the input"
         )
     q, k, v = self.qkv(x).unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, T, hd)
-    out = attend(self.q_norm(q), self.k_norm(k), v, state.pos, self._vitpe_layer, self.attn_drop.p if self.training else 0.0)
+    out = attend(self.q_norm(q), self.k_norm(k), v, state.pos, self._vitpe_layer, self.attn_drop.p if self.training else 0.0, x=x)
     return self.proj_drop(self.proj(self.norm(out)))
 
 

@@ -59,15 +59,20 @@ def position_tokens(x: Tensor, pos: PosContext, prefix: Sequence[Optional[Tensor
 
 def attend(
     q: Tensor, k: Tensor, v: Tensor, pos: Optional[PosContext], layer: int, dropout_p: float = 0.0, num_queries: Optional[int] = None,
-    mixed: bool = False,
+    mixed: bool = False, x: Optional[Tensor] = None,
 ) -> Tensor:
-    """Attention with the PE applied: rotate q and k, add the bias as a float mask, merge the heads.
-    ``q, k, v``: ``(B, H, T, hd)`` -> ``(B, Q, H*hd)``. Shared by vitpe's and equipped timm attention.
-    ``num_queries`` keeps only the first Q queries (``Q = T`` by default): the tokens whose outputs are used.
-    ``mixed``: the PE's mix (STRING) was folded into the projection (:meth:`PosContext.fold_mix`)."""
-    bias = None
+    """Attention with the PE applied: rotate q and k, append the features a PE computes from the tokens, add the bias
+    as a float mask, merge the heads. ``q, k, v``: ``(B, H, T, hd)`` -> ``(B, Q, H*hd)``. Shared by vitpe's and
+    equipped timm attention. ``num_queries`` keeps only the first Q queries (``Q = T`` by default): the tokens whose
+    outputs are used. ``mixed``: the PE's mix (STRING) was folded into the projection (:meth:`PosContext.fold_mix`).
+    ``x``: the attention's input ``(B, T, dim)``, which a PE with query-key features reads."""
+    bias = scale = None
     if pos is not None:
         q, k = pos.rotate(q, k, layer, mixed)
+        if pos.extenders:
+            if x is None:
+                raise ValueError("this positional encoding reads each block's input (query-key features): pass x to attend")
+            q, k, scale = pos.extend(q, k, x, layer)
         bias = pos.mask_at(layer)
         bias = bias if bias is None or bias.dtype == torch.bool else bias.to(q.dtype)  # bool: packed rows
         if bias is not None and bias.dim() == 3:
@@ -77,7 +82,7 @@ def attend(
     if num_queries is not None:
         q = q[:, :, :num_queries]
         bias = None if bias is None else bias[..., :num_queries, :]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     return rearrange(out, "b h t d -> b t (h d)")
 
 
@@ -116,15 +121,17 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0, num_queries: Optional[int] = None) -> Tensor:
         """``(B, T, dim) -> (B, Q, dim)``: outputs of the first ``num_queries`` tokens (all by default)."""
-        out = attend(*self._split(x, pos), pos, layer, self.attn_drop if self.training else 0.0, num_queries, mixed=True)
+        out = attend(*self._split(x, pos), pos, layer, self.attn_drop if self.training else 0.0, num_queries, mixed=True, x=x)
         return self.proj_drop(self.proj(out))
 
     def attention_logits(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0) -> Tensor:
         """The explicit (slow) path: ``q k^T / sqrt(d) + bias`` as ``(B, H, T, T)``, for inspection."""
         q, k, _ = self._split(x, pos)
+        scale = None
         if pos is not None:
             q, k = pos.rotate(q, k, layer, mixed=True)
-        logits = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+            q, k, scale = pos.extend(q, k, x, layer)
+        logits = q @ k.transpose(-2, -1) * (scale or 1 / math.sqrt(self.head_dim))
         mask = None if pos is None else pos.mask_at(layer)
         if mask is None:
             return logits

@@ -32,7 +32,8 @@ from .registry import (
 
 # Importing the families registers them; the order here is the order list_pos_embeds() reports.
 from .additive import FourierPosEmbed, LearnedFourierPosEmbed, LearnedPosEmbed, NoPosEmbed, SinCos2d
-from .bias import ContinuousPositionBias, FIRE, LookHere, RelativePositionBias, set_lookhere_slope
+from .bias import ALiBi2d, ContinuousPositionBias, FIRE, LookHere, RelativePositionBias, set_lookhere_slope
+from .parabolic import PaPE
 from .rotary import RopeAxial, RopeGolden, RopeMixed, RopeString, RotaryPosEmbed
 from .lie import ComRoPE, LieRE
 from .conditional import PEG

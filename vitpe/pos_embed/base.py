@@ -9,7 +9,9 @@ A PE answers up to four questions about a :class:`~vitpe.coords.PatchGrid`; the 
 - ``rope_rotations(grid)``: ``(L|1, heads|1, N, K, b, b)`` block rotation matrices for q and k (learned matrix rotations);
 - ``rope_mix()``: ``(heads, head_dim, head_dim)`` an orthogonal map applied to q and k before rotating (STRING);
 - ``rope_magnitude(grid)``: ``(N,)`` a factor on q and k per token (YaRN's temperature);
-- ``condition(layer, x, grid)``: a function of the tokens themselves after block ``layer`` (conditional).
+- ``condition(layer, x, grid)``: a function of the tokens themselves after block ``layer`` (conditional);
+- ``qk_features(layer, x, grid)``: features appended to the queries and keys of block ``layer``, computed from its input
+  ``x`` (a position term whose shape the token's content chooses).
 
 ``bias(grid)`` may also be per layer, ``(L, heads, N, N)`` (a penalty that changes with depth).
 
@@ -59,6 +61,7 @@ class PosContext:
     mats: Optional[Tensor] = None  # block rotations instead of cos/sin: (L|1, B, heads|1, T, K, b, b), shared (L|1, heads, T, hd, hd)
     mix: Optional[Tensor] = None  # (heads, head_dim, head_dim) orthogonal map before the rotation (see fold_mix)
     conditionals: Tuple["PosEmbed", ...] = ()  # encodings that act on the tokens after some blocks, in order
+    extenders: Tuple["PosEmbed", ...] = ()  # encodings that append features to q and k from each block's input
     condition_layers: FrozenSet[int] = frozenset()
     mask: Optional[Tensor] = None
     mask_per_layer: bool = False  # mask is (L, ...): one per block
@@ -120,6 +123,17 @@ class PosContext:
                 patches = pe.condition(layer, patches, self.grid)
         return torch.cat([x[:, :p], patches], dim=1)
 
+    def extend(self, q: Tensor, k: Tensor, x: Tensor, layer: int) -> Tuple[Tensor, Tensor, Optional[float]]:
+        """``q, k`` ``(B, heads, T, head_dim)`` with the features of every encoding in :attr:`extenders` appended (zeros
+        for the prefix tokens, which carry no position), from the attention's input ``x`` ``(B, T, dim)``; and the
+        scale that keeps ``q . k``'s own ``1 / sqrt(head_dim)`` (None: nothing appended, the kernel's default)."""
+        if not self.extenders:
+            return q, k, None
+        p = self.num_prefix
+        extras = [pe.qk_features(layer, x[:, p:], pe.own_grid(self.grid)) for pe in self.extenders]
+        qe, ke = (F.pad(torch.cat(t, -1), (0, 0, p, 0)).to(q.dtype) for t in zip(*extras))
+        return torch.cat([q, qe.expand(*q.shape[:-1], -1)], -1), torch.cat([k, ke.expand(*k.shape[:-1], -1)], -1), q.shape[-1] ** -0.5
+
     @classmethod
     def merge(cls, contexts: Sequence["PosContext"]) -> "PosContext":
         """One context from those of a combination's parts (each built on its own coordinates), one rule per
@@ -133,6 +147,7 @@ class PosContext:
         for name in _ROTATION:
             setattr(out, name, next((getattr(c, name) for c in contexts if getattr(c, name) is not None), None))
         out.conditionals = tuple(pe for c in contexts for pe in c.conditionals)
+        out.extenders = tuple(pe for c in contexts for pe in c.extenders)  # their features side by side: the terms add
         out.condition_layers = frozenset().union(*(c.condition_layers for c in contexts))
         out.mask = _attention_mask(out.bias, out.grid, out.num_prefix)
         return out
@@ -263,6 +278,11 @@ class PosEmbed(nn.Module):
     def condition(self, layer: int, x: Tensor, grid: PatchGrid) -> Tensor:
         return x
 
+    def qk_features(self, layer: int, x: Tensor, grid: PatchGrid) -> Optional[Tuple[Tensor, Tensor]]:
+        """Features for the queries and keys of block ``layer``'s patch tokens, ``(B, heads, N, E)`` each, from the
+        block's attention input ``x`` ``(B, N, dim)``: their product adds to the logits (``None``: no such term)."""
+        return None
+
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """The entries of this PE's state dict that a timm model's PE weights give (``{}``: none; the PE then
         keeps its own). ``weights`` uses timm's names: ``pos_embed`` ``(1, h*w, D)`` (patch positions only),
@@ -329,7 +349,9 @@ class PosEmbed(nn.Module):
         mix = self.rope_mix()
         magnitude = self.rope_magnitude(own)
         layers = self.condition_layers()
-        ctx = PosContext(grid, num_prefix, conditionals=(self,) if layers else (), condition_layers=layers)
+        extends = type(self).qk_features is not PosEmbed.qk_features
+        ctx = PosContext(grid, num_prefix, conditionals=(self,) if layers else (), condition_layers=layers,
+                         extenders=(self,) if extends else ())
         if tokens is not None:
             ctx.tokens = tokens.to(dtype)
         if bias is not None:

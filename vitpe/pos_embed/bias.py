@@ -1,4 +1,5 @@
-"""Relative encodings added to the attention logits: Swin's bias table, Swin-V2's continuous bias, FIRE, LookHere."""
+"""Relative encodings added to the attention logits: Swin's bias table, Swin-V2's continuous bias, FIRE, LookHere, 2D
+ALiBi."""
 from __future__ import annotations
 
 import math
@@ -11,6 +12,8 @@ from torch.nn.init import trunc_normal_
 from ..coords import PatchGrid, Size2, cell_coords, patch_units
 from .base import PEOption, PosEmbed
 from .functional import (
+    alibi2d_bias,
+    alibi_slopes,
     fire_features,
     lattice_offsets,
     log_spaced,
@@ -22,7 +25,7 @@ from .functional import (
 )
 from .registry import register_pos_embed, set_pe_option
 
-__all__ = ["RelativePositionBias", "ContinuousPositionBias", "FIRE", "LookHere"]
+__all__ = ["RelativePositionBias", "ContinuousPositionBias", "FIRE", "LookHere", "ALiBi2d"]
 
 
 def _per_slot(grid, values: Tensor) -> Tensor:
@@ -266,6 +269,42 @@ class LookHere(PosEmbed):
             return values.movedim(-1, -3)  # (L, [B], H, N, N)
 
         return self.memo(grid, "bias", build)
+
+
+@register_pos_embed("alibi2d")
+class ALiBi2d(PosEmbed):
+    """2D ALiBi (CROMA, Fuller et al., NeurIPS 2023; ALiBi, Press et al., ICLR 2022): a penalty linear in the Euclidean
+    distance between two patches, ``-slope_h * |p_q - p_k|`` in reference patches, with ALiBi's geometric head slopes.
+    Fixed, nothing learned, the same at every size: in interpolate mode distances stay in the trained range, in
+    extrapolate mode a larger image reaches farther, penalised as the line continues (the additive bias the ViT
+    extrapolation studies found to degrade most gently). ``slope_scale`` multiplies every slope, at build time or on a
+    trained model (``eval.py --pe-option alibi2d.slope_scale=K``)."""
+
+    acts_on = "attention logits"
+    test_options = (PEOption("slope_scale", "slope_scale", positive_number, "the factor of every head's slope (as trained: 1)"),)
+
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, slope_scale: float = 1.0) -> None:
+        super().__init__(dim, num_heads, ref_grid, depth)
+        self.register_buffer("base_slopes", alibi_slopes(num_heads), persistent=False)  # (H,)
+        self.slope_scale = slope_scale
+
+    @property
+    def slope_scale(self) -> float:
+        return self._slope_scale
+
+    @slope_scale.setter
+    def slope_scale(self, value: float) -> None:
+        if not 0 < value < math.inf:
+            raise ValueError(f"alibi2d slope_scale must be positive and finite, got {value}")
+        self._slope_scale = float(value)
+        self.clear_cache()
+
+    def bias(self, grid: PatchGrid) -> Tensor:
+        def build():
+            offsets, index = _offsets_and_index(self, grid)
+            return _spread(alibi2d_bias(offsets, self.base_slopes * self._slope_scale), index)
+
+        return self.memo(grid, ("bias", self._slope_scale), build)
 
 
 def set_lookhere_slope(module: nn.Module, global_slope: float) -> List[str]:

@@ -7,13 +7,16 @@ with columns ``(x, y)`` (see ``vitpe.grid_coords``): one grid ``(N, 2)`` shared 
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "alibi_slopes",
+    "alibi2d_bias",
+    "parabolic_terms",
     "sincos_1d",
     "sincos_2d",
     "fourier_features",
@@ -395,3 +398,36 @@ def lookhere_bias(offsets: Tensor, directions: Tensor, fov: float, slopes: Tenso
     lead = slopes.shape[:-1]
     penalty = dist * slopes.reshape(*lead, *([1] * (dist.dim() - 1)), -1).to(dist)  # (*L, ..., H)
     return (-penalty).masked_fill(~inside, float("-inf"))
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi's head slopes (Press et al., ICLR 2022): for ``n`` a power of two, the geometric sequence ``2^(-8 k / n)``,
+    ``k = 1..n``; otherwise those of the nearest power of two below, then every other slope of the next one up."""
+    def powers(n: int) -> List[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (k + 1) for k in range(n)]
+
+    if num_heads < 1:
+        raise ValueError(f"alibi needs at least one head, got {num_heads}")
+    low = 2 ** math.floor(math.log2(num_heads))
+    slopes = powers(low) + powers(2 * low)[0::2][: num_heads - low]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi2d_bias(offsets: Tensor, slopes: Tensor) -> Tensor:
+    """2D ALiBi (CROMA, Fuller et al., NeurIPS 2023): ``-slope_h * |d|``, the Euclidean length of each offset ``d``
+    ``(..., 2)`` in reference patches, per head: ``(..., H)``."""
+    return -offsets.norm(dim=-1, keepdim=True) * slopes.to(offsets)
+
+
+def parabolic_terms(positions: Tensor, a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
+    """PaPE's parabolas as extra query and key features (Koo Ohrstrom et al. 2026, "Where to Attend"): with projected
+    positions ``p`` ``(..., N, P)`` (one scalar per parabola), a query's curvatures ``a >= 0`` and slopes ``b``
+    ``(..., N, P)``, the features ``q_e = [sum a (-p^2), a, 2 a p, sum b p, b]`` and ``k_e = [1, -p^2, p, 1, -p]``
+    (``3 P + 2`` each) give ``q_e . k_e = sum_k -a_k (p_q - p_k)^2 + b_k (p_q - p_k)``: a parabola in each projected
+    offset, opening downwards, whose curvature and slope the query's content chooses."""
+    ones = torch.ones_like(positions[..., :1])
+    square = positions.pow(2)
+    q = torch.cat([(a * -square).sum(-1, keepdim=True), a, 2 * a * positions, (b * positions).sum(-1, keepdim=True), b], -1)
+    k = torch.cat([ones, -square, positions, ones, -positions], -1)
+    return q, k

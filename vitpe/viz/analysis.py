@@ -27,9 +27,18 @@ def _rotated(pe: PosEmbed, ctx, basis: Tensor) -> Tensor:
     return ctx.rotate(q, q, 0)[0]
 
 
-def _bias(ctx) -> Tensor:
-    """``(heads, N, N)``: layer 0's bias for a per-layer bias (LookHere)."""
-    return (ctx.bias[0] if ctx.mask_per_layer else ctx.bias).float()
+def _bias(pe: PosEmbed, ctx) -> Optional[Tensor]:
+    """``(heads, N, N)``: what layer 0 adds to the logits for position (None: nothing): its bias (layer 0's for a
+    per-layer one), plus, for an encoding that computes query-key features from the tokens (PaPE), the term a query
+    whose token is zero adds, scaled as the logits are."""
+    out = None if ctx.bias is None else (ctx.bias[0] if ctx.mask_per_layer else ctx.bias).float()
+    if ctx.extenders:
+        n = ctx.grid.coords.shape[0]
+        blank = torch.zeros(1, pe.num_heads, n, 1, device=ctx.grid.coords.device)
+        q, k, _ = ctx.extend(blank, blank, torch.zeros(1, n, pe.dim, device=blank.device), 0)
+        term = (q @ k.transpose(-2, -1))[0].float() / math.sqrt(pe.head_dim)
+        out = term if out is None else out + term
+    return out
 
 
 def pe_matrix(pe: PosEmbed, grid_size: Size2, mode: str = "interpolate") -> Dict[str, Tensor]:
@@ -43,8 +52,9 @@ def pe_matrix(pe: PosEmbed, grid_size: Size2, mode: str = "interpolate") -> Dict
         out = {}
         if ctx.tokens is not None:
             out["tokens"] = ctx.tokens.float()
-        if ctx.bias is not None:
-            out["bias"] = _bias(ctx)
+        bias = _bias(pe, ctx)
+        if bias is not None:
+            out["bias"] = bias
         if pe.rotary:
             unit = torch.zeros(1, pe.head_dim, device=g.coords.device)
             unit[:, ::2] = 1
@@ -75,8 +85,9 @@ def pe_similarity(pe: PosEmbed, grid_size: Size2, query: Tuple[int, int], mode: 
         if ctx.tokens is not None:
             t = torch.nn.functional.normalize(ctx.tokens.float(), dim=-1)
             out["tokens"] = (t @ t[q]).view(1, h, w)
-        if ctx.bias is not None:
-            out["bias"] = _bias(ctx)[:, q].view(-1, h, w)
+        bias = _bias(pe, ctx)
+        if bias is not None:
+            out["bias"] = bias[:, q].view(-1, h, w)
         if pe.rotary:
             r = _rotated(pe, ctx, torch.eye(pe.head_dim, device=g.coords.device))  # (hd, heads, N, hd): R_t e_i
             out["rotary"] = torch.einsum("ihd,ihnd->hn", r[:, :, q], r).div(pe.head_dim).float().view(-1, h, w)
