@@ -66,6 +66,11 @@ class DataConfig:
     train_size: Optional[int] = None  # shapes: samples to generate; others: a subset (None: all)
     test_size: Optional[int] = None
     augment: str = "none"  # none | flip | crop | crop_flip | trivial | randaugment
+    # Content scale augmentation (RandomResizedCrop, as DeiT and RoPE-ViT train): each training image is a random box
+    # covering this fraction of its area, [min, max], enlarged to the training size (None: off). Data rendered at any
+    # size (shapes) renders the box at the new scale; others crop and resize once.
+    crop_scale: Optional[List[float]] = None
+    crop_ratio: List[float] = field(default_factory=lambda: [0.75, 1.3333])  # the box's width / height, [min, max]
     mixup: float = 0.0  # mixup alpha (0: off)
     cutmix: float = 0.0  # cutmix alpha (0: off)
 
@@ -242,6 +247,12 @@ def _validate(cfg: Config) -> None:
         if below or above or value != value:  # NaN compares false with everything: out of every range
             span = f"{'[' if lo_in else '('}{lo}, {hi if hi is not None else 'inf'}{']' if hi_in and hi is not None else ')'}"
             raise ConfigError(f"{key}={value} is out of range; it must be in {span}")
+    for key, pair, upper in (("data.crop_scale", d.crop_scale, 1.0), ("data.crop_ratio", d.crop_ratio, None)):
+        if pair is None:
+            continue
+        if len(pair) != 2 or not 0 < pair[0] <= pair[1] or (upper is not None and pair[1] > upper) or pair[0] != pair[0]:
+            limits = "0 < min <= max <= 1: fractions of the image's area" if upper else "0 < min <= max: width / height"
+            raise ConfigError(f"{key}={list(pair)} must be [min, max] with {limits}, e.g. " + ("[0.35, 1.0]" if upper else "[0.75, 1.33]"))
     if t.steps is not None and t.budget_min is not None:
         raise ConfigError(f"train.steps={t.steps} and train.budget_min={t.budget_min:g} both decide the epochs; drop one")
     if m.embed_dim % m.num_heads:

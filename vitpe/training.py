@@ -35,7 +35,7 @@ from vitpe import VisionTransformer
 from vitpe.checkpoint import CHECKPOINT_NAME, CheckpointError, check_classes, load_checkpoint, load_model_state, non_finite, save_checkpoint
 from vitpe.config import Config, ConfigError, apply_overrides, config_from_dict, load_config, save_config, train_resolutions
 from vitpe.data import load_dataset, resize_images
-from vitpe.data.augment import BatchAugment, normalize
+from vitpe.data.augment import BatchAugment, crop_boxes, normalize
 from vitpe.data.datasets import TRAIN_SIZES
 from vitpe.data.mixed import draw_sizes, mixed_batch
 from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, forward_bytes, memory_available, resolve_device, seed_step
@@ -605,23 +605,35 @@ class Job:
             }, self.run / CHECKPOINT_NAME)
         self.last_saved = (self.epoch, self.step)
 
+    def crop_boxes(self, n: int) -> Optional[torch.Tensor]:
+        """The step's content scale augmentation draw (``data.crop_scale``), or None when it is off: square boxes for
+        data rendered at any scale, whose zoom is rendered natively."""
+        data = self.cfg.data
+        if data.crop_scale is None:
+            return None
+        return crop_boxes(n, data.crop_scale, data.crop_ratio, square=self.ds.renders_natively)
+
     def batch(self, perm: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This process's share of the step's global batch: images, targets (mixed, with mixup), labels."""
         cfg, rank = self.cfg, self.rank
         local = cfg.train.batch_size // self.world
         seed_step(cfg.train.seed, self.epoch, self.step)  # same on every rank: the global batch is augmented identically
         idx = perm[self.step * cfg.train.batch_size : (self.step + 1) * cfg.train.batch_size]
+        boxes = self.crop_boxes(len(idx))
         if cfg.train.max_tokens is not None:  # NaViT: every image at its own size and aspect ratio, packed
             sizes = draw_sizes(len(idx), self.sizes, self.model.patch_size, self.ds.aspects(True))
             mine = slice(rank * local, (rank + 1) * local)
             x = mixed_batch(self.ds, True, idx[mine], sizes[mine], self.model.patch_size, cfg.train.max_tokens, self.augment,
-                            cfg.train.token_keep).to(self.device, non_blocking=True)
+                            cfg.train.token_keep, None if boxes is None else boxes[mine]).to(self.device, non_blocking=True)
             y = self.train_y[idx][mine].to(self.device, non_blocking=True)
             seed_step(cfg.train.seed, self.epoch, self.step, rank)
             return x, y, y
         res = self.sizes[torch.randint(len(self.sizes), ()).item()] if len(self.sizes) > 1 else self.sizes[0]
-        x = self.train_at[res][idx]
-        x = x if x.shape[-1] == res else resize_images(x, (res, res))
+        if boxes is not None:  # content scale augmentation: each image a random box of itself, at this size
+            x = self.ds.images_at(True, idx, (res, res), boxes)
+        else:
+            x = self.train_at[res][idx]
+            x = x if x.shape[-1] == res else resize_images(x, (res, res))
         x = self.augment(x)[rank * local : (rank + 1) * local]
         y = self.train_y[idx][rank * local : (rank + 1) * local]
         x, y = normalize(x.to(self.device, non_blocking=True), self.ds.mean, self.ds.std), y.to(self.device, non_blocking=True)

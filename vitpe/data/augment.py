@@ -6,13 +6,14 @@ draws exactly the augmentations an uninterrupted one would have.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["AUGMENTS", "TTA_MODES", "BatchAugment", "normalize", "tta_views"]
+__all__ = ["AUGMENTS", "TTA_MODES", "BatchAugment", "normalize", "tta_views", "crop_boxes", "crop_resize"]
 
 AUGMENTS = ("none", "flip", "crop", "crop_flip", "trivial", "randaugment")
 
@@ -88,3 +89,30 @@ class BatchAugment:
         if self.policy is not None:
             x = torch.cat([self.policy(chunk) for chunk in x.chunk(self.groups)])
         return x
+
+
+def crop_boxes(n: int, scale: Sequence[float], ratio: Sequence[float] = (3 / 4, 4 / 3), square: bool = False) -> Tensor:
+    """Content scale augmentation's draw (RandomResizedCrop, as DeiT and RoPE-ViT train): for each of ``n`` images a
+    box ``(x0, y0, w, h)`` in fractions of the image, covering a fraction of its area drawn uniformly from ``scale``
+    and with an aspect ratio ``w / h`` drawn log-uniformly from ``ratio`` (``square``: 1, for data rendered at any
+    scale), placed uniformly. A box that would leave the image is shrunk to fit, keeping its place in the draw. The
+    zoom is ``1 / w``: the content appears that much larger than in the whole image. torch's global generator draws, so
+    a resumed run draws what an uninterrupted one would."""
+    area = torch.empty(n).uniform_(float(scale[0]), float(scale[1]))
+    log_r = torch.empty(n).uniform_(math.log(ratio[0]), math.log(ratio[1])) if not square else torch.zeros(n)
+    w, h = (area * log_r.exp()).sqrt().clamp(max=1.0), (area / log_r.exp()).sqrt().clamp(max=1.0)
+    x0, y0 = torch.rand(n) * (1 - w), torch.rand(n) * (1 - h)
+    return torch.stack([x0, y0, w, h], -1)
+
+
+def crop_resize(x: Tensor, boxes: Tensor, size: Sequence[int]) -> Tensor:
+    """uint8 ``(B, C, H, W)`` images, each cropped to its box (:func:`crop_boxes`) and resampled to ``size = (h, w)`` in
+    one bilinear step (a crop is at most the whole image, so this enlarges: no aliasing to guard against)."""
+    b = x.shape[0]
+    x0, y0, w, h = boxes.to(torch.float32).unbind(-1)
+    theta = torch.zeros(b, 2, 3)
+    theta[:, 0, 0], theta[:, 0, 2] = w, 2 * x0 + w - 1  # output [-1, 1] -> the box, in the input's [-1, 1]
+    theta[:, 1, 1], theta[:, 1, 2] = h, 2 * y0 + h - 1
+    grid = F.affine_grid(theta.to(x.device), [b, x.shape[1], int(size[0]), int(size[1])], align_corners=False)
+    out = F.grid_sample(x.float(), grid, mode="bilinear", padding_mode="border", align_corners=False)
+    return out.round().clamp(0, 255).to(torch.uint8)

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..suggest import did_you_mean
+from .augment import crop_resize
 from .images import DataError, FolderImages, digest_of, drop_copies_of, read_folder
-from .shapes import POSITION_CLASSES, SHAPES_CLASSES, render_shapes, shapes_params
+from .shapes import POSITION_CLASSES, SHAPES_CLASSES, render_shapes, shapes_params, zoomed
 
 __all__ = ["DataError", "ImageDataset", "load_dataset", "resize_images", "DEBIAN_FASHION_MNIST", "SHAPES_SEED", "TRAIN_SIZES"]
 
@@ -55,6 +56,7 @@ class ImageDataset:
     _load: Callable[[bool, Tuple[int, int]], Tuple[Tensor, Tensor]] = field(repr=False, default=None)
     _cache: Dict = field(repr=False, default_factory=dict)
     _pick: Optional[Callable[[bool, Tensor, Tuple[int, int]], Tensor]] = field(repr=False, default=None)
+    _pick_zoomed: Optional[Callable[[bool, Tensor, Tuple[int, int], Tensor], Tensor]] = field(repr=False, default=None)
     _aspects: Dict[bool, Tensor] = field(repr=False, default_factory=dict)
     # Classes that hold the same content and differ only in where it is: a model without position cannot tell them apart.
     position_classes: Tuple[int, ...] = ()
@@ -86,12 +88,20 @@ class ImageDataset:
             return self.split(train, size)
         return LazySplit(self, train, tuple(size), len(labels)), labels
 
-    def images_at(self, train: bool, index: Tensor, size: Tuple[int, int]) -> Tensor:
+    def images_at(self, train: bool, index: Tensor, size: Tuple[int, int], boxes: Optional[Tensor] = None) -> Tensor:
         """Samples ``index`` of a split at ``size = (h, w)``, uint8 ``(n, C, h, w)``: shapes renders them there, an image
-        folder resizes each from its own copy (its aspect ratio kept), the rest resize the stored split."""
-        if self._pick is not None:
-            return self._pick(train, index, tuple(size))
-        return resize_images(self.split(train)[0][index], tuple(size))
+        folder resizes each from its own copy (its aspect ratio kept), the rest resize the stored split. ``boxes``
+        ``(n, 4)`` (:func:`~vitpe.data.augment.crop_boxes`): each sample's box fills the image instead (content scale
+        augmentation), rendered at that scale where the data renders natively (square boxes), else cropped from the
+        stored image and resized once."""
+        if boxes is None:
+            if self._pick is not None:
+                return self._pick(train, index, tuple(size))
+            return resize_images(self.split(train)[0][index], tuple(size))
+        if self._pick_zoomed is not None:
+            return self._pick_zoomed(train, index, tuple(size), boxes)
+        source = self._pick(train, index, tuple(size)) if self._pick is not None else self.split(train)[0][index]
+        return crop_resize(source, boxes, size)
 
     def aspects(self, train: bool) -> Optional[Tensor]:
         """Width / height of each sample of a split, when they differ (an image folder: the aspect ratio of the copy
@@ -150,8 +160,11 @@ def _shapes(data_dir: Path, train_size: Optional[int], test_size: Optional[int])
     def pick(train: bool, index: Tensor, size: Tuple[int, int]) -> Tensor:
         return render_shapes({k: v[index] for k, v in params_of(train).items()}, size)
 
+    def pick_zoomed(train: bool, index: Tensor, size: Tuple[int, int], boxes: Tensor) -> Tensor:
+        return render_shapes(zoomed({k: v[index] for k, v in params_of(train).items()}, boxes), size)
+
     return ImageDataset("shapes", SHAPES_CLASSES, 3, (32, 32), (0.5, 0.5, 0.5), (0.28, 0.28, 0.28), False, True, load, _pick=pick,
-                        position_classes=POSITION_CLASSES)
+                        _pick_zoomed=pick_zoomed, position_classes=POSITION_CLASSES)
 
 
 # ---- Fashion-MNIST ---------------------------------------------------------------------------------

@@ -40,15 +40,17 @@ def mixed_batch(
     max_tokens: int,
     augment: Optional[Callable[[Tensor], Tensor]] = None,
     token_keep: float = 1.0,
+    boxes: Optional[Tensor] = None,
 ) -> Packed:
     """Samples ``index`` of a split, sample ``i`` at ``sizes[i]``, augmented (per size group), normalised and packed
-    into rows of ``max_tokens`` patch tokens, in the order given."""
+    into rows of ``max_tokens`` patch tokens, in the order given. ``boxes`` ``(n, 4)``: content scale augmentation, each
+    sample's box filling its image (:meth:`ImageDataset.images_at`)."""
     groups: Dict[Tuple[int, int], List[int]] = {}
     for i, hw in enumerate(sizes):
         groups.setdefault(tuple(hw), []).append(i)
     images: List[Optional[Tensor]] = [None] * len(sizes)
     for hw, where in groups.items():
-        x = ds.images_at(train, index[where], hw)
+        x = ds.images_at(train, index[where], hw, None if boxes is None else boxes[where])
         x = normalize(augment(x) if augment is not None else x, ds.mean, ds.std)
         for j, i in enumerate(where):
             images[i] = x[j]

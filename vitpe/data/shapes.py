@@ -116,15 +116,31 @@ def on_canvas(params: dict, fraction: float) -> dict:
     content scale), the control for a native rendering at a larger size, where both change."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1]: the scene's share of the canvas side, got {fraction}")
-    offset = (1 - fraction) / 2
+    n = params["label"].shape[0]
+    return framed(params, torch.full((n,), float(fraction)), torch.full((n, 2), (1 - fraction) / 2))
+
+
+def framed(params: dict, fraction: Tensor, offset: Tensor) -> dict:
+    """The same scenes drawn at ``fraction`` ``(n,)`` of the image's side with their corner at ``offset`` ``(n, 2)``
+    ``(x, y)`` (image fractions): a canvas point ``u`` shows the scene's ``(u - offset) / fraction``. Below 1 the scene
+    sits on a larger canvas of its own background (texture continued); above 1 the image is a window into the scene,
+    magnified: content scale augmentation rendered natively (:func:`zoomed`), with no resampling blur."""
     tex = params["texture"].clone()
     angle = 2 * math.pi * tex[..., 0]
     freq = 1 + 2 * tex[..., 1]
-    # render_shapes draws sin(2 pi (freq * proj + phase)) with proj = x cos + y sin; a canvas point u is the scene's
-    # (u - offset) / fraction, so the frequency grows by 1 / fraction and the phase absorbs the offset.
-    tex[..., 1] = (freq / fraction - 1) / 2
-    tex[..., 2] = tex[..., 2] - freq * offset / fraction * (angle.cos() + angle.sin())
-    return {**params, "centre": offset + fraction * params["centre"], "radius": fraction * params["radius"], "texture": tex}
+    f, off = fraction.to(tex)[:, None], offset.to(tex)
+    # render_shapes draws sin(2 pi (freq * proj + phase)) with proj = x cos + y sin; at a canvas point the scene point
+    # is (u - offset) / fraction, so the frequency grows by 1 / fraction and the phase absorbs the offset.
+    tex[..., 1] = (freq / f - 1) / 2
+    tex[..., 2] = tex[..., 2] - freq / f * (off[:, 0, None] * angle.cos() + off[:, 1, None] * angle.sin())
+    return {**params, "centre": off[:, None] + f[..., None] * params["centre"], "radius": f * params["radius"], "texture": tex}
+
+
+def zoomed(params: dict, boxes: Tensor) -> dict:
+    """The scenes seen through square boxes ``(x0, y0, s, s)`` (image fractions, :func:`vitpe.data.augment.crop_boxes`
+    with ``square=True``), each box filling the image: the content ``1 / s`` times larger, rendered at the new scale."""
+    side = boxes[:, 2]
+    return framed(params, 1 / side, -boxes[:, :2] / side[:, None])
 
 
 def _rotate(p: Tensor, angle: Tensor) -> Tensor:

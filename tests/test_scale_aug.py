@@ -1,0 +1,63 @@
+"""Content scale augmentation: RandomResizedCrop's boxes, cropped and resized once, or rendered at the new scale."""
+import pytest
+import torch
+from conftest import ROOT
+
+from vitpe import training as train_script
+from vitpe.config import ConfigError
+from vitpe.data import load_dataset
+from vitpe.data.augment import crop_boxes, crop_resize
+from vitpe.data.shapes import render_shapes, shapes_params, zoomed
+
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def test_boxes_cover_the_asked_share_of_the_image_and_stay_inside_it():
+    torch.manual_seed(0)
+    b = crop_boxes(4000, (0.25, 0.64), (0.5, 2.0))
+    x0, y0, w, h = b.unbind(-1)
+    assert (x0 >= 0).all() and (y0 >= 0).all() and (x0 + w <= 1 + 1e-6).all() and (y0 + h <= 1 + 1e-6).all()
+    area, ratio = w * h, w / h
+    assert area.min() > 0.2 and area.max() <= 0.64 + 1e-6 and 0.5 - 1e-5 <= ratio.min() and ratio.max() <= 2.0 + 1e-5
+    assert abs(area.median().item() - 0.445) < 0.03  # uniform in area (a clamped box only where it would leave the image)
+    square = crop_boxes(100, (0.1, 1.0), square=True)
+    assert torch.equal(square[:, 2], square[:, 3])
+
+
+def test_a_crop_is_the_box_enlarged_and_a_rendered_zoom_is_the_larger_rendering():
+    image = torch.arange(64, dtype=torch.uint8).view(1, 1, 8, 8) * 4  # a ramp, to see where pixels come from
+    whole = crop_resize(image, torch.tensor([[0.0, 0.0, 1.0, 1.0]]), (8, 8))
+    assert torch.equal(whole, image)  # the whole image, at its size: unchanged
+    quarter = crop_resize(image, torch.tensor([[0.5, 0.5, 0.5, 0.5]]), (4, 4))
+    assert torch.equal(quarter, image[..., 4:, 4:])  # a box at the same pixel scale: its pixels
+    params = shapes_params(6, seed=2)
+    big = render_shapes(params, 64)
+    zoom = render_shapes(zoomed(params, torch.tensor([[0.25, 0.25, 0.5, 0.5]] * 6)), 32)
+    assert torch.equal(zoom, big[..., 16:48, 16:48])  # rendered at twice the scale: no resampling at all
+    ds = load_dataset("shapes", None, 64, 32, (32, 32))
+    boxes = torch.tensor([[0.25, 0.25, 0.5, 0.5]] * 3)
+    assert torch.equal(ds.images_at(True, torch.arange(3), (32, 32), boxes), ds.images_at(True, torch.arange(3), (64, 64))[..., 16:48, 16:48])
+
+
+@pytest.mark.parametrize("extra", [[], ["--set", "train.max_tokens=64", "--set", "train.resolutions=[8, 16]"]])
+def test_training_with_content_scale_augmentation(tmp_path, monkeypatch, extra):
+    """Every training batch is drawn through boxes (with per-image coordinate augmentation, and packed)."""
+    from vitpe.data.datasets import ImageDataset
+
+    seen, images_at = [], ImageDataset.images_at
+    monkeypatch.setattr(ImageDataset, "images_at", lambda self, *a, **k: seen.append(a[3] if len(a) > 3 else None) or images_at(self, *a, **k))
+    args = ["--config", TINY, "--out-dir", str(tmp_path), "--name", "r", "--epochs", "1", "--set", "data.crop_scale=[0.3, 1.0]",
+            "--set", "model.coord_aug={shift: 1.0, rescale: 1.5}", *extra]
+    assert train_script.main(args) == 0
+    boxes = [b for b in seen if b is not None]
+    assert boxes and len(boxes) == len(seen) and all(((b[:, 2] * b[:, 3]) >= 0.3 - 1e-6).all() for b in boxes)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("data.crop_scale", "[0.0, 1.0]", r"data.crop_scale=\[0.0, 1.0\] must be \[min, max\] with 0 < min <= max <= 1"),
+    ("data.crop_scale", "[0.8, 0.2]", "must be"), ("data.crop_scale", "[0.2, 1.5]", "fractions of the image's area"),
+    ("data.crop_ratio", "[2.0, 1.0]", r"data.crop_ratio=\[2.0, 1.0\] must be \[min, max\] with 0 < min <= max: width / height"),
+])
+def test_content_scale_augmentation_out_of_range_is_one_line(tmp_path, key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--set", f"{key}={value}"])
