@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from studykit import park_run, train_or_reuse, unpark_run
+from studykit import CONVERGED_POINTS, convergence, park_run, train_or_reuse, training_time, unpark_run  # noqa: F401
 from timing import usable_cores
 
 import vitpe
@@ -87,7 +87,6 @@ NO_COORDS = tuple(pe for pe in vitpe.list_pos_embeds() if not vitpe.pos_embed_in
 PER_BATCH_ONLY = tuple(pe for pe in vitpe.list_pos_embeds() if vitpe.pos_embed_info(pe)["per_image_cost"])
 PER_BATCH_CONTROL = "rope_axial"
 ROPE_CONTROLS = ("ntk", "yarn")
-CONVERGED_POINTS = 0.3
 SEEDS = (0, 1, 2)  # the seeds every row is measured with (the issue's "at least 3"), unless --seeds says otherwise
 # How many times a run still moving is trained again with twice its recipe's epochs (--max-epochs overrides the cap
 # this gives). shapes: once, 24 -> 48, which every shapes row measured converged within. Fashion-MNIST: never, for the
@@ -404,30 +403,6 @@ def run_epochs(runs: Path, data: str, row: str, seed: Optional[int] = None) -> L
     """The epochs of the row's runs on this machine, of one seed or of every seed."""
     name = re.compile(re.escape(safe_name(f"{data}-{row}-seed")) + (r"\d+" if seed is None else str(seed)) + r"-e(\d+)")
     return [int(m.group(1)) for p in runs.iterdir() if (m := name.fullmatch(p.name))] if runs.is_dir() else []
-
-
-def convergence(metrics: List[Dict]) -> Dict:
-    """The test top-1 gain over the last fifth of the epochs (the last epoch against the one a fifth before it)."""
-    top1 = [m["test_top1"] for m in metrics]
-    back = max(1, round(len(top1) / 5))
-    gain = 100 * (top1[-1] - top1[-1 - back]) if len(top1) > back else float("nan")
-    return {"epochs": len(top1), "last_fifth_gain_points": round(gain, 2), "converged": bool(gain < CONVERGED_POINTS),
-            "last_epoch_test_top1": metrics[-1].get("test_top1"), "train_acc": metrics[-1].get("train_acc"),
-            "train_wall_s": round(metrics[-1].get("wall_s", float("nan")), 1), "train_time_s": round(training_time(metrics), 1)}
-
-
-def training_time(metrics: List[Dict]) -> float:
-    """Seconds of training behind ``metrics``, over every process that trained the run. vitpe's ``wall_s`` counts across
-    resumes, so this is the last epoch's. Runs trained before it did restart ``wall_s`` at each resume: an epoch whose
-    ``wall_s`` grew by less than its own ``epoch_s`` starts a new segment, the segments are summed, and the part of the
-    interrupted epoch before its stop counts at least what its ``epoch_s`` has beyond the new segment's ``wall_s``."""
-    total = last = 0.0
-    for m in metrics:
-        wall, epoch = m.get("wall_s", float("nan")), m.get("epoch_s", 0.0)
-        if wall + 1e-3 < last + epoch:
-            total += last + max(0.0, epoch - wall)
-        last = wall
-    return total + last
 
 
 CHECKPOINT_ID = ("epochs", "last_epoch_test_top1", "train_wall_s")

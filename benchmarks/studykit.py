@@ -8,7 +8,7 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 from unittest import mock
 
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from vitpe.training import main as train_main
 from vitpe.training import parse_args, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
+CONVERGED_POINTS = 0.3  # a run has converged when its test top-1 rose by less than this over the last fifth of its epochs
 
 
 def train_or_reuse(run: Path, args: List[str], label: str) -> Path:
@@ -163,3 +164,27 @@ def sdpa_override(fn: Callable[..., Tensor]) -> Iterator[List[int]]:
         yield calls
     if not calls:
         raise RuntimeError("sdpa_override never reached the attention: nothing inside called scaled_dot_product_attention")
+
+
+def convergence(metrics: List[Dict]) -> Dict:
+    """The test top-1 gain over the last fifth of the epochs (the last epoch against the one a fifth before it)."""
+    top1 = [m["test_top1"] for m in metrics]
+    back = max(1, round(len(top1) / 5))
+    gain = 100 * (top1[-1] - top1[-1 - back]) if len(top1) > back else float("nan")
+    return {"epochs": len(top1), "last_fifth_gain_points": round(gain, 2), "converged": bool(gain < CONVERGED_POINTS),
+            "last_epoch_test_top1": metrics[-1].get("test_top1"), "train_acc": metrics[-1].get("train_acc"),
+            "train_wall_s": round(metrics[-1].get("wall_s", float("nan")), 1), "train_time_s": round(training_time(metrics), 1)}
+
+
+def training_time(metrics: List[Dict]) -> float:
+    """Seconds of training behind ``metrics``, over every process that trained the run. vitpe's ``wall_s`` counts across
+    resumes, so this is the last epoch's. Runs trained before it did restart ``wall_s`` at each resume: an epoch whose
+    ``wall_s`` grew by less than its own ``epoch_s`` starts a new segment, the segments are summed, and the part of the
+    interrupted epoch before its stop counts at least what its ``epoch_s`` has beyond the new segment's ``wall_s``."""
+    total = last = 0.0
+    for m in metrics:
+        wall, epoch = m.get("wall_s", float("nan")), m.get("epoch_s", 0.0)
+        if wall + 1e-3 < last + epoch:
+            total += last + max(0.0, epoch - wall)
+        last = wall
+    return total + last

@@ -61,3 +61,36 @@ def test_training_with_content_scale_augmentation(tmp_path, monkeypatch, extra):
 def test_content_scale_augmentation_out_of_range_is_one_line(tmp_path, key, value, message):
     with pytest.raises(ConfigError, match=message):
         train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--set", f"{key}={value}"])
+
+
+def test_gratings_render_each_pixel_as_the_average_of_the_scene():
+    """A gratings pixel is the scene's mean over its area: rendering at 8x and averaging 8x8 blocks gives the 1x
+    rendering (to a few grey levels: the sinc model is exact for the grating, the edge's ramp is one pixel wide), and
+    at 1x the finest grating has lost most of its contrast where the 2x rendering keeps it."""
+    from vitpe.data.gratings import CYCLES, GRATINGS_CLASSES, gratings_params, render_gratings, zoomed_gratings
+
+    params = gratings_params(40, seed=4)
+    fine = render_gratings(params, 256).float()
+    coarse = render_gratings(params, 32).float()
+    averaged = torch.nn.functional.avg_pool2d(fine, 8)
+    inner = (slice(None), slice(None), slice(2, -2), slice(2, -2))
+    assert (averaged - coarse)[inner].abs().mean() < 2.0
+    finest = params["cycles"] == CYCLES[-1]
+
+    def contrast(size: int) -> torch.Tensor:  # the grating's spread inside the object (its inner 70%), per sample
+        x = render_gratings(params, size).float().mean(1)
+        centres = (torch.arange(size) + 0.5) / size
+        d = ((centres[None, None, :] - params["centre"][:, None, None, :1].squeeze(-1)) ** 2
+             + (centres[None, :, None] - params["centre"][:, None, None, 1:].squeeze(-1)) ** 2).sqrt()
+        inside = d < 0.7 * params["radius"][:, None, None]
+        return torch.stack([x[i][inside[i]].std() for i in range(len(x))])
+
+    assert finest.any() and (contrast(32)[finest] < 0.6 * contrast(64)[finest]).all()
+    big = render_gratings(params, 64)
+    zoom = render_gratings(zoomed_gratings(params, torch.tensor([[0.25, 0.25, 0.5, 0.5]] * 40)), 32)
+    assert torch.equal(zoom, big[..., 16:48, 16:48])  # content scale augmentation renders, it does not resample
+    ds = load_dataset("gratings", None, 500, 100, (32, 32))
+    x, y = ds.split(True)
+    assert x.shape == (500, 3, 32, 32) and ds.classes == GRATINGS_CLASSES and ds.flip_ok and ds.renders_natively
+    assert torch.bincount(y, minlength=10).min() > 25  # every class drawn
+    assert torch.equal(ds.split(True)[0][:5], load_dataset("gratings", None, 5, 100, (32, 32)).split(True)[0])  # any prefix, the same

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..suggest import did_you_mean
 from .augment import crop_resize
+from .gratings import GRATINGS_CLASSES, gratings_params, render_gratings, zoomed_gratings
 from .images import DataError, FolderImages, digest_of, drop_copies_of, read_folder
 from .shapes import POSITION_CLASSES, SHAPES_CLASSES, render_shapes, shapes_params, zoomed
 
@@ -133,7 +134,7 @@ class LazySplit:
 
 
 # Training images of each built-in dataset when data.train_size does not choose (what a recipe's epochs are counted in).
-TRAIN_SIZES = {"shapes": 20000, "fashion_mnist": 60000, "cifar10": 50000, "cifar100": 50000}
+TRAIN_SIZES = {"shapes": 20000, "gratings": 20000, "fashion_mnist": 60000, "cifar10": 50000, "cifar100": 50000}
 
 
 def _subset(x: Tensor, y: Tensor, n: Optional[int]) -> Tuple[Tensor, Tensor]:
@@ -165,6 +166,29 @@ def _shapes(data_dir: Path, train_size: Optional[int], test_size: Optional[int])
 
     return ImageDataset("shapes", SHAPES_CLASSES, 3, (32, 32), (0.5, 0.5, 0.5), (0.28, 0.28, 0.28), False, True, load, _pick=pick,
                         _pick_zoomed=pick_zoomed, position_classes=POSITION_CLASSES)
+
+
+def _gratings(train_size: Optional[int], test_size: Optional[int]) -> ImageDataset:
+    sizes = {True: train_size or TRAIN_SIZES["gratings"], False: test_size or 5000}
+    params = {}
+
+    def params_of(train: bool) -> dict:
+        if train not in params:
+            params[train] = gratings_params(sizes[train], seed=SHAPES_SEED[train])
+        return params[train]
+
+    def load(train: bool, size: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
+        p = params_of(train)
+        return render_gratings(p, size), p["label"].clone()
+
+    def pick(train: bool, index: Tensor, size: Tuple[int, int]) -> Tensor:
+        return render_gratings({k: v[index] for k, v in params_of(train).items()}, size)
+
+    def pick_zoomed(train: bool, index: Tensor, size: Tuple[int, int], boxes: Tensor) -> Tensor:
+        return render_gratings(zoomed_gratings({k: v[index] for k, v in params_of(train).items()}, boxes), size)
+
+    return ImageDataset("gratings", GRATINGS_CLASSES, 3, (32, 32), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True, True, load, _pick=pick,
+                        _pick_zoomed=pick_zoomed)
 
 
 # ---- Fashion-MNIST ---------------------------------------------------------------------------------
@@ -337,7 +361,7 @@ def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int]
                         _pick=pick, _aspects=aspects, notes=tuple(notes), fingerprint=fingerprint)
 
 
-DATASETS = ("shapes", "fashion_mnist", "cifar10", "cifar100", "imagefolder:PATH")
+DATASETS = ("shapes", "gratings", "fashion_mnist", "cifar10", "cifar100", "imagefolder:PATH")
 
 
 def load_dataset(
@@ -348,6 +372,8 @@ def load_dataset(
     root = Path(data_dir or "data")
     if name == "shapes":
         return _shapes(root, train_size, test_size)
+    if name == "gratings":
+        return _gratings(train_size, test_size)
     if name == "fashion_mnist":
         return _fashion_mnist(root, train_size, test_size)
     if name in ("cifar10", "cifar100"):

@@ -1,0 +1,253 @@
+#!/usr/bin/env python
+"""Resolution transfer the way the field gets it: models trained at one size with the field's recipe (content scale
+augmentation and coordinate augmentation) against the plain recipe, evaluated from 0.5x to 4x on every coordinate
+mode that applies, FlexiViT's patch route and the baseline every user has, resizing the image back (docs/field_transfer.md).
+
+    python benchmarks/field_transfer.py --data gratings --seeds 0 1 2                # every row; resumes where it stopped
+    python benchmarks/field_transfer.py --data gratings --families sincos2d --recipes field --seeds 0
+    nice python benchmarks/field_transfer.py --shard 0/2 & nice python benchmarks/field_transfer.py --shard 1/2 &
+    python benchmarks/field_transfer.py --report                                      # tables and the figure from the record
+    python benchmarks/field_transfer.py --smoke                                       # seconds: the script still runs
+
+A row is (data, family, recipe, seed). ``plain`` trains with the dataset's recipe (configs/gratings.yaml,
+configs/study_fashion_mnist.yaml); ``field`` adds RandomResizedCrop (``data.crop_scale`` FIELD_CROP) and DINOv3's
+coordinate augmentation drawn per batch (``model.coord_aug`` FIELD_COORDS; not for families that read no
+coordinates). Runs go to OUT/runs/DATA-FAMILY-RECIPE-seedS-eE (git-ignored): a finished run is reused, an interrupted
+one resumed; a run still moving over its last fifth (studykit.convergence) is trained again with twice the epochs, up
+to DOUBLINGS[data] times. Each measured row is merged into OUT/results.csv, the study's record (eval.py's columns plus
+recipe, seed and the run's convergence), under a lock, so processes sharing OUT (``--shard K/N``) keep each other's.
+Every size is evaluated on the full test set.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from studykit import convergence, train_or_reuse
+
+import vitpe
+from vitpe.checkpoint import checkpoint_config, load_checkpoint, model_from_checkpoint
+from vitpe.coords import snap
+from vitpe.evaluation import dataset_of, evaluate_at, patch_fits
+from vitpe.runs import safe_name
+
+try:
+    import fcntl
+except ImportError:  # Windows: one process per OUT
+    fcntl = None
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASETS = ("gratings", "fashion_mnist")
+CONFIGS = {"gratings": ROOT / "configs" / "gratings.yaml", "fashion_mnist": ROOT / "configs" / "study_fashion_mnist.yaml"}
+FAMILIES = ("none", "sincos2d", "learned", "rel_bias", "cpb", "rope_axial", "rope_mixed", "fire", "lookhere", "alibi2d", "pape")
+RECIPES = ("plain", "field")
+FIELD_CROP = "[0.25, 1.0]"  # RandomResizedCrop's area range at 32 px (DeiT's 0.08 leaves a few patches of a 28-px image)
+FIELD_COORDS = "{shift: 1.0, rescale: 2.0, jitter: 1.25, per_image: false}"  # DINOv3's RoPE augmentation, a draw per batch
+SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
+SEEDS = (0, 1, 2)
+DOUBLINGS = {"gratings": 1, "fashion_mnist": 0}  # Fashion-MNIST: its 8-epoch budget, as in the earlier study
+PE_OPTIONS = {"pape": ["model.pos_embed_kwargs.parabolas=8"]}  # 3 x 8 + 2 more features a head at head_dim 32: the CPU's budget
+FIELDS = ("data", "pos_embed", "recipe", "seed", "epochs", "converged", "last_fifth_gain_points", "train_time_s", "train_size",
+          "route", "coord_mode", "scale", "resolution", "height", "width", "tokens_per_image", "n", "top1", "loss")
+
+
+def run_args(data: str, family: str, recipe: str, seed: int, epochs: int, config: Optional[str], extra: List[str]) -> List[str]:
+    """``train.py`` arguments of a row."""
+    sets = [f"train.seed={seed}", f"train.epochs={epochs}", *PE_OPTIONS.get(family, []), *extra]
+    if recipe == "field":
+        sets.append(f"data.crop_scale={FIELD_CROP}")
+        if vitpe.pos_embed_info(family)["reads_coords"]:
+            sets.append(f"model.coord_aug={FIELD_COORDS}")
+    return ["--config", str(config or CONFIGS[data]), "--pe", family, *[a for s in sets for a in ("--set", s)]]
+
+
+def recipe_epochs(data: str, config: Optional[str], extra: List[str]) -> int:
+    from vitpe.config import apply_overrides, load_config
+
+    return apply_overrides(load_config(str(config or CONFIGS[data])), extra).train.epochs
+
+
+def train_row(out: Path, data: str, family: str, recipe: str, seed: int, args) -> Path:
+    """The row's run, trained until its last fifth is flat or its doublings are spent (the longest run is measured)."""
+    epochs = recipe_epochs(data, args.config, args.set)
+    most = epochs * 2 ** (DOUBLINGS[data] if args.max_doublings is None else args.max_doublings)
+    while True:
+        name = safe_name(f"{data}-{family}-{recipe}-seed{seed}-e{epochs}")
+        run = train_or_reuse(out / "runs" / name, run_args(data, family, recipe, seed, epochs, args.config, args.set), name)
+        if convergence(load_checkpoint(run)["metrics"])["converged"] or 2 * epochs > most:
+            return run
+        print(f"[{name}] still moving over its last fifth: training {2 * epochs} epochs")
+        epochs *= 2
+
+
+def plan_of(model, size: int, family: str) -> List[Tuple[str, str, Tuple[int, int]]]:
+    """(coord_mode, route, size) for every evaluation of a row: each coordinate mode that applies at every scale (one mode
+    for a family that reads no coordinates), the patch route where the trained grid fits, and the resize baseline."""
+    modes = ["interpolate", "extrapolate"] if vitpe.pos_embed_info(family)["reads_coords"] else ["interpolate"]
+    plan = []
+    for s in SCALES:
+        hw = (snap(s * size, model.patch_size),) * 2
+        plan += [(m, "coords", hw) for m in modes]
+        ref = model.ref_grid[0]
+        patch_hw = (snap(s * size, ref),) * 2
+        if patch_fits(model, *patch_hw):
+            plan.append(("interpolate", "patch", patch_hw))
+        if s != 1.0:
+            plan.append(("interpolate", "resize", hw))
+    return plan
+
+
+def evaluate_row(run: Path, data: str, family: str, recipe: str, seed: int, test_size: Optional[int]) -> List[Dict]:
+    model, state = model_from_checkpoint(run)
+    cfg = checkpoint_config(state)
+    size = cfg.model.img_size
+    ds = dataset_of(cfg, test_size=test_size)
+    verdict = convergence(state["metrics"])
+    base = {"data": data, "pos_embed": family, "recipe": recipe, "seed": seed, "train_size": size,
+            **{k: verdict[k] for k in ("epochs", "converged", "last_fifth_gain_points", "train_time_s")}}
+    rows = []
+    for r in evaluate_at(model, ds, plan_of(model, size, family), torch.device("cpu"), desc=f"{data} {family} {recipe} s{seed}"):
+        scale = round((r["height"] * r["width"]) ** 0.5 / size, 4)
+        rows.append({**base, **{k: r[k] for k in ("route", "coord_mode", "resolution", "height", "width", "tokens_per_image", "n", "top1")},
+                     "loss": round(r["loss"], 4), "scale": scale})
+        print(f"[{data} {family} {recipe} seed {seed}] {r['route']:<7} {r['coord_mode']:<12} {r['resolution']:>4}: "
+              f"top-1 {100 * r['top1']:.2f}", flush=True)
+    return rows
+
+
+# ---- the record ----------------------------------------------------------------------------------------------------
+def key_of(row: Dict) -> Tuple[str, str, str, int]:
+    return row["data"], row["pos_embed"], row["recipe"], int(row["seed"])
+
+
+def load_results(out: Path) -> List[Dict]:
+    path = out / "results.csv"
+    if not path.is_file():
+        return []
+    numbers = {"seed", "epochs", "train_size", "height", "width", "tokens_per_image", "n"}
+    floats = {"last_fifth_gain_points", "train_time_s", "scale", "top1", "loss"}
+    with open(path, newline="") as f:
+        return [{k: (int(v) if k in numbers else float(v) if k in floats else v == "True" if k == "converged" else v)
+                 for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def save_results(rows: List[Dict], out: Path) -> None:
+    tmp = out / "results.csv.tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS, lineterminator="\n")
+        w.writeheader()
+        w.writerows(sorted(rows, key=lambda r: (*key_of(r), r["route"], r["coord_mode"], r["scale"])))
+    tmp.replace(out / "results.csv")
+
+
+@contextlib.contextmanager
+def locked(out: Path):
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    with open(out / "runs" / ".record.lock", "a") as f:
+        if fcntl is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+# ---- the report ----------------------------------------------------------------------------------------------------
+def changes(rows: List[Dict], data: str, family: str, recipe: str, route: str, mode: str, scale: float) -> List[float]:
+    """Per seed: top-1 at ``scale`` on (route, mode) minus top-1 at 1x on the coordinate route, in points."""
+    def at(r_route: str, r_mode: str, s: float) -> Dict[int, float]:
+        return {r["seed"]: r["top1"] for r in rows if (r["data"], r["pos_embed"], r["recipe"], r["route"], r["coord_mode"]) ==
+                (data, family, recipe, r_route, r_mode) and abs(r["scale"] - s) < 0.05}
+
+    one, there = at("coords", "interpolate", 1.0), at(route, mode, scale)
+    return [100 * (there[s] - one[s]) for s in there if s in one]
+
+
+def cell(values: List[float], signed: bool = True) -> str:
+    if not values:
+        return "-"
+    m = statistics.fmean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else math.nan
+    return (f"{m:+.1f}" if signed else f"{m:.1f}") + ("" if math.isnan(sd) else f" ± {sd:.1f}")
+
+
+def report(rows: List[Dict], out: Path) -> None:
+    lines = [f"Generated by `python benchmarks/field_transfer.py --report` from {len(rows)} measurements (results.csv). Top-1 % at "
+             "the training size (mean ± sd over seeds), then the change from it in points: on the coordinate route in "
+             "interpolate (I) and extrapolate (E) mode, and the resize baseline (R: the image resized back to the training size).", ""]
+    for data in DATASETS:
+        sub = [r for r in rows if r["data"] == data]
+        if not sub:
+            continue
+        lines += [f"## {data}", "", "| family | recipe | seeds | 1x top-1 | 1.5x I / E / R | 2x I / E / R | 4x I / R |",
+                  "| --- | --- | ---: | ---: | --- | --- | --- |"]
+        for family in FAMILIES:
+            for recipe in RECIPES:
+                one = [100 * r["top1"] for r in sub if (r["pos_embed"], r["recipe"], r["route"], r["coord_mode"]) ==
+                       (family, recipe, "coords", "interpolate") and abs(r["scale"] - 1) < 0.05]
+                if not one:
+                    continue
+                parts = []
+                for s, routes in ((1.5, (("coords", "interpolate"), ("coords", "extrapolate"), ("resize", "interpolate"))),
+                                  (2.0, (("coords", "interpolate"), ("coords", "extrapolate"), ("resize", "interpolate"))),
+                                  (4.0, (("coords", "interpolate"), ("resize", "interpolate")))):
+                    parts.append(" / ".join(cell(changes(sub, data, family, recipe, route, mode, s)) for route, mode in routes))
+                lines.append(f"| {family} | {recipe} | {len(one)} | {cell(one, signed=False)} | " + " | ".join(parts) + " |")
+        lines.append("")
+    (out / "table.md").write_text("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", nargs="+", default=list(DATASETS), choices=DATASETS)
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=vitpe.list_pos_embeds())
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    p.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    p.add_argument("--config", help="one config for every dataset instead of each one's")
+    p.add_argument("--set", action="append", default=[], help="extra config override for every run")
+    p.add_argument("--max-doublings", type=int, help="retrain a run still moving at most this many times (default: DOUBLINGS)")
+    p.add_argument("--test-size", type=int, help="test images per evaluation (default: the full test set)")
+    p.add_argument("--shard", default="0/1", help="K/N: this process takes every N-th row from the K-th (processes sharing OUT)")
+    p.add_argument("--out", default=str(ROOT / "docs" / "field_transfer"))
+    p.add_argument("--report", action="store_true", help="only rewrite table.md from OUT/results.csv")
+    p.add_argument("--smoke", action="store_true", help="tiny config, two families, one seed: seconds")
+    args = p.parse_args(argv)
+    k, _, n = args.shard.partition("/")
+    if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+        p.error(f"--shard must be K/N with 0 <= K < N, got {args.shard}")
+    if args.smoke:
+        args.data, args.config, args.seeds, args.test_size, args.max_doublings = ["gratings"], str(ROOT / "configs" / "tiny.yaml"), [0], 32, 0
+        args.families = args.families if args.families != list(FAMILIES) else ["sincos2d", "pape"]
+        args.set = [*args.set, "data.name=gratings", "train.epochs=1"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        report(load_results(out), out)
+        print(f"report: {out / 'table.md'}")
+        return 0
+    todo = [(d, f, r, s) for d in args.data for s in args.seeds for f in args.families for r in args.recipes]
+    mine = todo[int(k)::int(n)]
+    started = time.time()
+    for data, family, recipe, seed in mine:
+        if any(key_of(r) == (data, family, recipe, seed) for r in load_results(out)):
+            print(f"[{data} {family} {recipe} seed {seed}] measured: kept")
+            continue
+        run = train_row(out, data, family, recipe, seed, args)
+        new = evaluate_row(run, data, family, recipe, seed, args.test_size)
+        with locked(out):
+            rows = [r for r in load_results(out) if key_of(r) != (data, family, recipe, seed)] + new
+            save_results(rows, out)
+            report(rows, out)
+        print(f"[{data} {family} {recipe} seed {seed}] measured ({(time.time() - started) / 60:.1f} min so far)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
