@@ -107,7 +107,7 @@ def test_shapes_dataset_split_sizes_and_native_rendering():
 def test_unknown_dataset():
     with pytest.raises(DataError, match=r"unknown dataset 'fashion_mnst' \(did you mean 'fashion_mnist'\?\)"):
         load_dataset("fashion_mnst")
-    with pytest.raises(DataError, match="unknown dataset 'svhn'; choose one of shapes, fashion_mnist, cifar10, cifar100, imagefolder:PATH"):
+    with pytest.raises(DataError, match="unknown dataset 'svhn'; choose one of shapes, gratings, fashion_mnist, cifar10, cifar100, imagefolder:PATH"):
         load_dataset("svhn")
 
 

@@ -145,50 +145,38 @@ def _subset(x: Tensor, y: Tensor, n: Optional[int]) -> Tuple[Tensor, Tensor]:
 SHAPES_SEED = {True: 0, False: 1}  # the train and test splits' seeds: every run and every resolution sees the same samples
 
 
-def _shapes(data_dir: Path, train_size: Optional[int], test_size: Optional[int]) -> ImageDataset:
-    sizes = {True: train_size or TRAIN_SIZES["shapes"], False: test_size or 5000}
+def _rendered(name: str, classes: Tuple[str, ...], n: Dict[bool, int], params_fn: Callable[[int, int], dict],
+              render: Callable[[dict, Tuple[int, int]], Tensor], zoom: Callable[[dict, Tensor], dict], std: float, flip_ok: bool,
+              **kw) -> ImageDataset:
+    """A dataset drawn from continuous parameters (``params_fn(n, seed)``), rendered natively at every size asked for:
+    whole splits, chosen samples, or samples zoomed into boxes (content scale augmentation, rendered at the new scale)."""
     params = {}
 
     def params_of(train: bool) -> dict:
         if train not in params:
-            params[train] = shapes_params(sizes[train], seed=SHAPES_SEED[train])
+            params[train] = params_fn(n[train], SHAPES_SEED[train])
         return params[train]
 
+    def chosen(train: bool, index: Tensor) -> dict:
+        return {k: v[index] for k, v in params_of(train).items()}
+
     def load(train: bool, size: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
-        p = params_of(train)
-        return render_shapes(p, size), p["label"].clone()
+        return render(params_of(train), size), params_of(train)["label"].clone()
 
-    def pick(train: bool, index: Tensor, size: Tuple[int, int]) -> Tensor:
-        return render_shapes({k: v[index] for k, v in params_of(train).items()}, size)
+    return ImageDataset(name, classes, 3, (32, 32), (0.5, 0.5, 0.5), (std,) * 3, flip_ok, True, load,
+                        _pick=lambda train, index, size: render(chosen(train, index), size),
+                        _pick_zoomed=lambda train, index, size, boxes: render(zoom(chosen(train, index), boxes), size), **kw)
 
-    def pick_zoomed(train: bool, index: Tensor, size: Tuple[int, int], boxes: Tensor) -> Tensor:
-        return render_shapes(zoomed({k: v[index] for k, v in params_of(train).items()}, boxes), size)
 
-    return ImageDataset("shapes", SHAPES_CLASSES, 3, (32, 32), (0.5, 0.5, 0.5), (0.28, 0.28, 0.28), False, True, load, _pick=pick,
-                        _pick_zoomed=pick_zoomed, position_classes=POSITION_CLASSES)
+def _shapes(data_dir: Path, train_size: Optional[int], test_size: Optional[int]) -> ImageDataset:
+    n = {True: train_size or TRAIN_SIZES["shapes"], False: test_size or 5000}
+    return _rendered("shapes", SHAPES_CLASSES, n, lambda k, seed: shapes_params(k, seed=seed), render_shapes, zoomed, 0.28, False,
+                     position_classes=POSITION_CLASSES)
 
 
 def _gratings(train_size: Optional[int], test_size: Optional[int]) -> ImageDataset:
-    sizes = {True: train_size or TRAIN_SIZES["gratings"], False: test_size or 5000}
-    params = {}
-
-    def params_of(train: bool) -> dict:
-        if train not in params:
-            params[train] = gratings_params(sizes[train], seed=SHAPES_SEED[train])
-        return params[train]
-
-    def load(train: bool, size: Tuple[int, int]) -> Tuple[Tensor, Tensor]:
-        p = params_of(train)
-        return render_gratings(p, size), p["label"].clone()
-
-    def pick(train: bool, index: Tensor, size: Tuple[int, int]) -> Tensor:
-        return render_gratings({k: v[index] for k, v in params_of(train).items()}, size)
-
-    def pick_zoomed(train: bool, index: Tensor, size: Tuple[int, int], boxes: Tensor) -> Tensor:
-        return render_gratings(zoomed_gratings({k: v[index] for k, v in params_of(train).items()}, boxes), size)
-
-    return ImageDataset("gratings", GRATINGS_CLASSES, 3, (32, 32), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), True, True, load, _pick=pick,
-                        _pick_zoomed=pick_zoomed)
+    n = {True: train_size or TRAIN_SIZES["gratings"], False: test_size or 5000}
+    return _rendered("gratings", GRATINGS_CLASSES, n, gratings_params, render_gratings, zoomed_gratings, 0.25, True)
 
 
 # ---- Fashion-MNIST ---------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
+from .shapes import pixel_centres
+
 __all__ = ["GRATINGS_CLASSES", "CYCLES", "gratings_params", "render_gratings", "zoomed_gratings"]
 
 CYCLES = (2.0, 3.5, 6.0, 13.0, 17.0)  # grating cycles across the object's diameter: its class, with the container
@@ -60,9 +62,7 @@ def render_gratings(params: dict, size: Tuple[int, int] | int, chunk: int = 512)
     h, w = (size, size) if isinstance(size, int) else size
     n = params["label"].shape[0]
     out = torch.empty(n, 3, h, w, dtype=torch.uint8)
-    ys = (torch.arange(h, dtype=torch.float32) + 0.5) / h
-    xs = (torch.arange(w, dtype=torch.float32) + 0.5) / w
-    gy, gx = torch.meshgrid(ys, xs, indexing="ij")
+    gx, gy = pixel_centres(h, w).unbind(-1)
     px = 1.0 / min(h, w)  # one pixel, in image widths: the edges' anti-aliasing width
     for s in range(0, n, chunk):
         p = {k: v[s : s + chunk] for k, v in params.items()}

@@ -169,16 +169,22 @@ def _sdf(kind: Tensor, p: Tensor, r: Tensor) -> Tensor:
     return out
 
 
+def pixel_centres(h: int, w: int) -> Tensor:
+    """``(H, W, 2)``: the ``(x, y)`` centre of every pixel of an ``h x w`` image, in image fractions ``[0, 1]``: where a
+    natively rendered dataset evaluates its scene."""
+    ys = (torch.arange(h, dtype=torch.float32) + 0.5) / h
+    xs = (torch.arange(w, dtype=torch.float32) + 0.5) / w
+    gy, gx = torch.meshgrid(ys, xs, indexing="ij")
+    return torch.stack([gx, gy], -1)
+
+
 def render_shapes(params: dict, size: Tuple[int, int] | int, chunk: int = 1024) -> Tensor:
     """Render samples at ``size = (H, W)``: a ``(n, 3, H, W)`` uint8 tensor. Edges are anti-aliased over
     one pixel at every resolution, so a larger rendering is a sharper view of the same picture."""
     h, w = (size, size) if isinstance(size, int) else size
     n = params["label"].shape[0]
     out = torch.empty(n, 3, h, w, dtype=torch.uint8)
-    ys = (torch.arange(h, dtype=torch.float32) + 0.5) / h
-    xs = (torch.arange(w, dtype=torch.float32) + 0.5) / w
-    gy, gx = torch.meshgrid(ys, xs, indexing="ij")
-    pix = torch.stack([gx, gy], -1)  # (H, W, 2) pixel centres in [0, 1]
+    pix = pixel_centres(h, w)  # (H, W, 2) in [0, 1]
     px = 1.0 / min(h, w)  # one pixel, in normalised units: the anti-aliasing width
     for s in range(0, n, chunk):
         sl = slice(s, min(s + chunk, n))
