@@ -177,7 +177,7 @@ def test_pos_embed_options_from_the_command_line(tmp_path):
 def test_cli_prints_one_line_and_exits_non_zero(tmp_path):
     r = subprocess.run([sys.executable, "train.py", "--data", "mnist3d", "--out-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode != 0
-    assert r.stderr.strip().startswith("error: unknown dataset 'mnist3d'; choose one of shapes, fashion_mnist")
+    assert r.stderr.strip().startswith("error: unknown dataset 'mnist3d'; choose one of shapes, gratings, fashion_mnist")
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
