@@ -40,7 +40,7 @@ CONFIGS = ROOT / "configs"
 # The PE comparison: one recipe per dataset, only the PE changes. Budgets sized for 2 CPU cores (about a
 # minute per run); they rank the families at a short budget, which favours the fixed encodings.
 PE_RECIPES: Dict[str, List[str]] = {
-    "shapes": ["--config", str(CONFIGS / "shapes.yaml"), "--set", "train.epochs=3"],
+    "shapes": ["--config", str(CONFIGS / "shapes.yaml"), "--set", "train.epochs=3", "--set", "train.resolution_range=null"],
     "fashion_mnist": ["--config", str(CONFIGS / "fashion_mnist_cpu.yaml"), "--set", "train.budget_min=null", "--set", "train.epochs=1",
                       "--set", "train.warmup_epochs=0.2", "--set", "train.eval_tta=none"],
 }

@@ -213,6 +213,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], help="extra config override for every run")
     p.add_argument("--max-doublings", type=int, help="retrain a run still moving at most this many times (default: DOUBLINGS)")
     p.add_argument("--test-size", type=int, help="test images per evaluation (default: the full test set)")
+    p.add_argument("--until", metavar="HH:MM", help="start no new row after this time of day (a session's end; rows are lost if cut)")
     p.add_argument("--shard", default="0/1", help="K/N: this process takes every N-th row from the K-th (processes sharing OUT)")
     p.add_argument("--out", default=str(ROOT / "docs" / "field_transfer"))
     p.add_argument("--report", action="store_true", help="only rewrite table.md from OUT/results.csv")
@@ -221,6 +222,8 @@ def main(argv=None) -> int:
     k, _, n = args.shard.partition("/")
     if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
         p.error(f"--shard must be K/N with 0 <= K < N, got {args.shard}")
+    if args.until and not (len(args.until) == 5 and args.until[2] == ":" and args.until.replace(":", "").isdigit()):
+        p.error(f"--until must be a time of day HH:MM, e.g. 16:30, got {args.until}")
     if args.smoke:
         args.data, args.config, args.seeds, args.test_size, args.max_doublings = ["gratings"], str(ROOT / "configs" / "tiny.yaml"), [0], 32, 0
         args.families = args.families if args.families != list(FAMILIES) else ["sincos2d", "pape"]
@@ -238,6 +241,9 @@ def main(argv=None) -> int:
         if any(key_of(r) == (data, family, recipe, seed) for r in load_results(out)):
             print(f"[{data} {family} {recipe} seed {seed}] measured: kept")
             continue
+        if args.until and time.strftime("%H:%M") >= args.until:
+            print(f"it is past {args.until}: no new row started ({(time.time() - started) / 60:.1f} min)")
+            break
         run = train_row(out, data, family, recipe, seed, args)
         new = evaluate_row(run, data, family, recipe, seed, args.test_size)
         with locked(out):

@@ -39,6 +39,7 @@ CHEAP = [
     "python eval.py runs/A",
     "python eval.py runs/A runs/B --resolutions 16 24 32 48 64",
     "python eval.py runs/A --resolutions 32x48 64x32 --coord-mode both",
+    "python eval.py runs/A --resolutions 32 48 64 --route all",
     "python eval.py runs/A --resolutions 32 64 --coord-mode extrapolate --rope-scaling yarn",
     "python eval.py runs/A --resolutions 16x64 64x16 --coord-mode extend --rope-scaling yarn",
     "python -m vitpe.viz matrix --pe sincos2d --grid 16 --dim 128",
@@ -142,3 +143,19 @@ def test_resolution_transfer_report_tables_are_the_record():
         table = rt.summary_table(rows, data)
         assert len(table) == 2 + len({r["pe"] for r in rows if r["data"] == data}) >= 18, data
         assert "\n".join(table) in report, data
+
+
+def test_the_main_jobs_printed_lines_are_its_measured_reference():
+    """The README's main-job output is seed 0 of the recorded measurement (vitpe/reference_runs.json, the entry of
+    configs/shapes.yaml's recipe): its top-1, and the comparison without a PE that every run of the recipe prints."""
+    from vitpe.config import load_config
+    from vitpe.training import reference_results
+
+    ref = reference_results(load_config(str(ROOT / "configs" / "shapes.yaml")))
+    assert ref is not None, "configs/shapes.yaml changed since vitpe/reference_runs.json was measured: run benchmarks/accuracy.py --suite main"
+    pe, none = ref["results"]["sincos2d"], ref["results"]["none"]
+    seed0 = pe["top1"][pe["seeds"].index(0)]
+    assert f"done in {round(pe['train_wall_s'][pe['seeds'].index(0)])}s: test top-1 {seed0:.4f}" in README
+    mean_none = 100 * sum(none["top1"]) / len(none["top1"])
+    assert f"the same recipe reached {mean_none:.1f}%" in README
+    assert f"sincos2d adds {100 * seed0 - mean_none:+.1f} points" in README
