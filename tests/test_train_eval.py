@@ -224,6 +224,20 @@ def test_sweep_summary_peak_and_area_over_the_log_scale():
     assert eval_script.default_resolutions(28, 4) == [(16, 16), (20, 20), (28, 28), (40, 40), (56, 56), (20, 40), (40, 20)]
 
 
+def test_rows_and_plots_say_the_sizes_a_run_trained_at(tmp_path):
+    """A run trained at several sizes (the main job: 16-48 px) is not 'trained at 32': its rows carry the range and the
+    plot shades it; a run trained at one size has none."""
+    root = Path(__file__).resolve().parents[1] / "configs"
+    assert eval_script.trained_span(load_config(str(root / "shapes.yaml"))) == "16-48"
+    assert eval_script.trained_span(load_config(str(root / "tiny.yaml"))) is None
+    row = lambda size, top1, span: {"label": span or "one", "run": "r", "data": "d", "route": "coords", "train_size": 32,  # noqa: E731
+                                    "train_sizes": span, "height": size, "width": size, "resolution": str(size), "top1": top1}
+    rows = [row(s, t, span) for span in ("16-48", None) for s, t in ((16, 0.7), (32, 0.9), (64, 0.8))]
+    eval_script.plot(rows, tmp_path / "a.png", "t")
+    eval_script.plot([{k: v for k, v in r.items() if k != "train_sizes"} for r in rows], tmp_path / "b.png", "t")  # older rows
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "b.png").stat().st_size > 5000
+
+
 def test_eval_default_sizes_include_aspect_ratios_and_diagnostics_can_be_off(tiny_run, tmp_path):
     assert eval_script.main([str(tiny_run), "--diagnostics", "0", "--test-size", "16", "--out", str(tmp_path / "e")]) == 0
     rows = json.loads((tmp_path / "e" / "results.json").read_text())

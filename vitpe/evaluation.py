@@ -29,7 +29,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 import torch
 
 from vitpe.checkpoint import check_classes, checkpoint_config, find_checkpoint, model_from_checkpoint
-from vitpe.config import Config, ConfigError
+from vitpe.config import Config, ConfigError, train_resolutions
 from vitpe.coords import COORD_MODES, snap
 from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import TTA_MODES, normalize
@@ -257,6 +257,13 @@ def sweep_summary(rows: List[Dict]) -> List[Dict]:
     return out
 
 
+def trained_span(cfg: Config) -> Optional[str]:
+    """``"LO-HI"``, the sizes a run trained at (``train.resolutions`` or ``train.resolution_range``), or None when it
+    trained at one: a result row's ``train_sizes``, shaded on the plots."""
+    sizes = train_resolutions(cfg)
+    return f"{min(sizes)}-{max(sizes)}" if len(sizes) > 1 else None
+
+
 def _resolution_axis(ax, rows: List[Dict]) -> None:
     """The x axis of every sweep plot: resolution on a log scale, ticks at the evaluated sizes, the training sizes dotted."""
     ax.set_xscale("log", base=2)
@@ -270,7 +277,19 @@ def _resolution_axis(ax, rows: List[Dict]) -> None:
         ax.annotate(f"trained at {s}", (s, 1), xycoords=("data", "axes fraction"), xytext=(3, -3), textcoords="offset points",
                     fontsize=7, color="grey", va="top", rotation=90)
         lo, hi = min(lo, s), max(hi, s)
+    for span in sorted({r.get("train_sizes") for r in rows} - {None}):  # a run trained at several sizes: the range, shaded
+        a, b = (int(v) for v in span.split("-"))
+        ax.axvspan(a, b, color="grey", alpha=0.12, lw=0)
+        ax.annotate(f"trained at {span}", (a, 1), xycoords=("data", "axes fraction"), xytext=(3, -3), textcoords="offset points",
+                    fontsize=7, color="grey", va="top")
+        lo, hi = min(lo, a), max(hi, b)
     ax.set_xlim(lo / 1.15, hi * 1.15)
+
+
+def _xlabel(rows: List[Dict], *more: str) -> str:
+    """The sweep plots' x label, naming the marks drawn on the axis."""
+    marks = ["dotted: training resolution", *(["shaded: sizes trained at"] if any(r.get("train_sizes") for r in rows) else []), *more]
+    return f"input resolution ({'; '.join(marks)})"
 
 
 def _lines(ax, rows: List[Dict], value) -> None:
@@ -302,7 +321,7 @@ def plot(rows: List[Dict], path: Path, title: str) -> None:
         ax.axhline(100 * chance, color="grey", lw=0.8, ls="--")
         ax.annotate(f"chance {100 * chance:.3g}%", (0, 100 * chance), xycoords=("axes fraction", "data"), xytext=(3, 2),
                     textcoords="offset points", fontsize=7, color="grey")
-    ax.set_xlabel("input resolution (dotted: training resolution; dashed: chance)")
+    ax.set_xlabel(_xlabel(rows, "dashed: chance"))
     ax.set_ylabel("top-1 accuracy (%)")
     finish_plot(fig, ax, title, path)
 
@@ -321,7 +340,7 @@ def plot_attention(rows: List[Dict], path: Path, title: str) -> None:
     _lines(right, rows, lambda r: mean(r["attn_entropy_norm"]))
     for ax, name in ((left, "mean attention distance (patches)"), (right, "attention entropy / log(keys)")):
         _resolution_axis(ax, rows)
-        ax.set_xlabel("input resolution (dotted: training resolution)")
+        ax.set_xlabel(_xlabel(rows))
         ax.set_ylabel(f"{name}, mean over layers")
         ax.grid(alpha=0.3)
     right.set_ylim(0, 1.02)
@@ -451,7 +470,8 @@ def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, 
                              "rope_scaling": args.rope_scaling, "p_rope": args.p_rope,
                              "pe_options": ";".join(args.pe_options) or None, "chance": 1 / ds.num_classes,
                              "weights": "ema" if run.state.get("ema") is not None and not args.no_ema else "raw",
-                             "train_size": train_size, "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
+                             "train_size": train_size, "train_sizes": trained_span(cfg),
+                             "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
                 if not sys.stdout.isatty():  # a log (nohup, a cluster job): a line per result, not silence until the table
                     print(f"{label} @ {row['resolution']}: top-1 {100 * row['top1']:.2f}% ({row['seconds']:.0f}s)", flush=True)
 
