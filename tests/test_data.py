@@ -387,3 +387,25 @@ def test_evaluate_gives_each_batch_the_coordinates_grid_of_returns():
         logits = model(normalize(images, (0.5,), (0.25,)), grid=flipped)
     assert got["loss"] == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-5)
     assert got["loss"] != pytest.approx(evaluate(model, images, labels, (0.5,), (0.25,), batch_size=16)["loss"])
+
+
+def test_the_resize_route_shrinks_by_exact_area_so_a_larger_rendering_comes_back_as_the_smaller_one():
+    """eval.py's resize baseline: an exact area average (a box filter) when shrinking. Rows of its weights sum to 1; a
+    2x shrink is a 2x2 mean; and the 64-px gratings rendering shrunk to 32 px is the 32-px rendering, far closer than
+    bilinear-antialiased resizing brings it (which would make the baseline lose accuracy it should keep)."""
+    import torch.nn.functional as F
+
+    from vitpe.data.datasets import area_weights, resize_images, shrink_to
+
+    for n_in, n_out in ((64, 32), (48, 32), (7, 3)):
+        w = area_weights(n_in, n_out)
+        assert w.shape == (n_out, n_in) and torch.allclose(w.sum(1), torch.ones(n_out))
+    x = torch.randint(0, 256, (2, 3, 16, 12), dtype=torch.uint8)
+    assert torch.equal(shrink_to(x, (8, 6)), F.avg_pool2d(x.float(), 2).round().to(torch.uint8))
+    assert torch.equal(shrink_to(x, (32, 24)), resize_images(x, (32, 24)))  # growing: bilinear
+    ds = load_dataset("gratings", train_size=4, test_size=64)
+    small, _ = ds.split(False, (32, 32))
+    large, _ = ds.split(False, (64, 64))
+    area = (shrink_to(large, (32, 32)).float() - small.float()).abs().mean()
+    bilinear = (resize_images(large, (32, 32)).float() - small.float()).abs().mean()
+    assert area < 1.0 and area < bilinear / 3

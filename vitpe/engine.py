@@ -217,10 +217,11 @@ def evaluate(
     ``tta``: average the predicted probabilities over test-time views (:data:`vitpe.data.augment.TTA_MODES`).
     ``grid_of(model, x)``: the coordinates a vitpe ViT gets for each normalized batch ``x`` (a
     :class:`~vitpe.coords.PatchGrid`; default: its own), for probes that move the positions and nothing else.
-    ``resize_to=(h, w)``: each batch is resized to that size first (antialiased), as a user would resize an image to the
-    size a model was trained at: the baseline of every resolution-transfer claim.
+    ``resize_to=(h, w)``: each batch is resized to that size first (an exact area average when shrinking,
+    :func:`vitpe.data.datasets.shrink_to`), as a user would resize an image to the size a model was trained at: the
+    baseline of every resolution-transfer claim.
     """
-    from vitpe.data import resize_images
+    from vitpe.data.datasets import shrink_to
 
     was_training = model.training
     model.eval()
@@ -228,7 +229,7 @@ def evaluate(
     kwargs = {} if patch_size is None else {"patch_size": patch_size}
     for s in progress_steps(len(labels), batch_size, desc, progress):
         batch = images[s : s + batch_size]
-        x = normalize((batch if resize_to is None else resize_images(batch, resize_to)).to(device, non_blocking=True), mean, std)
+        x = normalize((batch if resize_to is None else shrink_to(batch, resize_to)).to(device, non_blocking=True), mean, std)
         probs = 0.0
         views = tta_views(x, tta)
         for view in views:

@@ -31,8 +31,9 @@ import torch
 from vitpe.checkpoint import check_classes, checkpoint_config, find_checkpoint, model_from_checkpoint
 from vitpe.config import Config, ConfigError, train_resolutions
 from vitpe.coords import COORD_MODES, snap
-from vitpe.data import load_dataset, resize_images
+from vitpe.data import load_dataset
 from vitpe.data.augment import TTA_MODES, normalize
+from vitpe.data.datasets import shrink_to
 from vitpe.engine import amp_dtype, attention_bytes, autocast, evaluate, evaluate_native, memory_available, memory_plan, resolve_device
 from vitpe.errors import run_cli
 from vitpe.pos_embed import pe_test_options, set_pe_option, set_rope_extrapolation
@@ -214,7 +215,7 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
                            desc=f"{desc} @ {h}x{w}", patch_size=patch, tta=tta, resize_to=resize)
             seconds = time.time() - t1
             first = images[: max(diagnostics, 1)]
-            sample = normalize((first if resize is None else resize_images(first, resize)).to(device), ds.mean, ds.std)
+            sample = normalize((first if resize is None else shrink_to(first, resize)).to(device), ds.mean, ds.std)
             with torch.no_grad(), autocast(device, dtype):  # the tokens the model computes with (content_keep selects)
                 tokens = model.embed(sample[:1], patch_size=patch)[0]
             res["tokens_per_image"] = tokens.shape[1] - model.num_prefix_tokens

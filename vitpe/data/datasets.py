@@ -26,7 +26,7 @@ from .gratings import GRATINGS_CLASSES, gratings_params, render_gratings, zoomed
 from .images import DataError, FolderImages, digest_of, drop_copies_of, read_folder
 from .shapes import POSITION_CLASSES, SHAPES_CLASSES, render_shapes, shapes_params, zoomed
 
-__all__ = ["DataError", "ImageDataset", "load_dataset", "resize_images", "DEBIAN_FASHION_MNIST", "SHAPES_SEED", "TRAIN_SIZES"]
+__all__ = ["DataError", "ImageDataset", "load_dataset", "resize_images", "shrink_to", "area_weights", "DEBIAN_FASHION_MNIST", "SHAPES_SEED", "TRAIN_SIZES"]
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 _FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -40,6 +40,31 @@ def resize_images(images: Tensor, size: Tuple[int, int]) -> Tensor:
     for chunk in images.split(2048):
         out.append(F.interpolate(chunk.float(), size=size, mode="bilinear", antialias=True, align_corners=False).round().clamp(0, 255).to(torch.uint8))
     return torch.cat(out)
+
+
+def area_weights(n_in: int, n_out: int) -> Tensor:
+    """``(n_out, n_in)``: each output pixel the exact mean of the input pixels it covers, weighted by the length each
+    covers (a box filter, OpenCV's INTER_AREA). Shrinking a natively rendered ``2n``-px image to ``n`` px this way gives
+    the ``n``-px rendering itself, as a sensor of that size would see the scene."""
+    edges_out = torch.arange(n_out + 1, dtype=torch.float64) * (n_in / n_out)
+    lo = torch.maximum(edges_out[:-1, None], torch.arange(n_in, dtype=torch.float64)[None])
+    hi = torch.minimum(edges_out[1:, None], torch.arange(1, n_in + 1, dtype=torch.float64)[None])
+    return ((hi - lo).clamp_min(0) * (n_out / n_in)).float()
+
+
+def shrink_to(images: Tensor, size: Tuple[int, int]) -> Tensor:
+    """uint8 ``(N, C, H, W)`` -> uint8 at ``size``: an exact area average along each axis that shrinks (see
+    :func:`area_weights`), :func:`resize_images` where it grows. The resize route of ``eval.py`` uses it: the baseline
+    a larger image must beat is that image brought back to the training size losing nothing a smaller capture keeps."""
+    (h, w), (oh, ow) = images.shape[-2:], size
+    if oh > h or ow > w:
+        return resize_images(images, size)
+    x = images.float()
+    if oh < h:
+        x = torch.einsum("oh,nchw->ncow", area_weights(h, oh), x)
+    if ow < w:
+        x = torch.einsum("pw,nchw->nchp", area_weights(w, ow), x)
+    return x.round().clamp(0, 255).to(torch.uint8)
 
 
 @dataclass
