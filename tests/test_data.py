@@ -403,6 +403,8 @@ def test_the_resize_route_shrinks_by_exact_area_so_a_larger_rendering_comes_back
     x = torch.randint(0, 256, (2, 3, 16, 12), dtype=torch.uint8)
     assert torch.equal(shrink_to(x, (8, 6)), F.avg_pool2d(x.float(), 2).round().to(torch.uint8))
     assert torch.equal(shrink_to(x, (32, 24)), resize_images(x, (32, 24)))  # growing: bilinear
+    mixed = shrink_to(x, (8, 24))  # rows averaged by area, columns stretched
+    assert torch.equal(mixed, resize_images(shrink_to(x, (8, 12)), (8, 24)))
     ds = load_dataset("gratings", train_size=4, test_size=64)
     small, _ = ds.split(False, (32, 32))
     large, _ = ds.split(False, (64, 64))

@@ -401,9 +401,9 @@ def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets
     patch, train_size = model.patch_size, cfg.model.img_size
     resolutions = args.resolutions or default_resolutions(train_size, patch)
     routes = {"both": ["coords", "patch"], "all": ["coords", "patch", "resize"]}.get(args.route, [args.route])
-    if "resize" in routes and (cfg.train.resolutions or cfg.train.resolution_range):
+    if "resize" in routes and trained_span(cfg):
         print(f"note: --route resize resizes every image to {train_size}x{train_size}, {ckpt}'s reference size (it was "
-              f"trained at {cfg.train.resolutions or cfg.train.resolution_range} too)", file=sys.stderr)
+              f"trained at {trained_span(cfg)} too)", file=sys.stderr)
     ref_h, ref_w = model.ref_grid
     for h, w in resolutions:
         if "coords" in routes and (h % patch or w % patch):

@@ -54,17 +54,16 @@ def area_weights(n_in: int, n_out: int) -> Tensor:
 
 def shrink_to(images: Tensor, size: Tuple[int, int]) -> Tensor:
     """uint8 ``(N, C, H, W)`` -> uint8 at ``size``: an exact area average along each axis that shrinks (see
-    :func:`area_weights`), :func:`resize_images` where it grows. The resize route of ``eval.py`` uses it: the baseline
-    a larger image must beat is that image brought back to the training size losing nothing a smaller capture keeps."""
+    :func:`area_weights`), then :func:`resize_images` along an axis that grows (a 24x44 image brought to 32x32 is
+    averaged across and stretched down). The resize route of ``eval.py`` uses it: the baseline a larger image must beat
+    is that image brought back to the training size losing nothing a smaller capture keeps."""
     (h, w), (oh, ow) = images.shape[-2:], size
-    if oh > h or ow > w:
-        return resize_images(images, size)
     x = images.float()
     if oh < h:
         x = torch.einsum("oh,nchw->ncow", area_weights(h, oh), x)
     if ow < w:
         x = torch.einsum("pw,nchw->nchp", area_weights(w, ow), x)
-    return x.round().clamp(0, 255).to(torch.uint8)
+    return resize_images(x.round().clamp(0, 255).to(torch.uint8), size)  # the axes left to grow, if any
 
 
 @dataclass
