@@ -31,7 +31,7 @@ def test_every_family_documents_its_paper_and_what_it_acts_on():
 def test_unknown_name_and_option_raise_value_error_naming_valid_ones():
     with pytest.raises(ValueError, match="valid names: none, sincos2d"):
         vitpe.build_pos_embed("sincos3d", dim=32, num_heads=2, ref_grid=4)
-    with pytest.raises(ValueError, match="valid options: coord_mode, max_period, min_period, p_rope, scaling, theta"):
+    with pytest.raises(ValueError, match="valid options: cell_offset, coord_mode, max_period, min_period, offset, p_rope, scaling, theta"):
         vitpe.build_pos_embed("rope_axial", dim=32, num_heads=2, ref_grid=4, temperature=10)
     with pytest.raises(ValueError, match=r"unknown positional encoding 'rope_mixd' \(did you mean 'rope_mixed'\?\)"):
         vitpe.build_pos_embed("rope_mixd", dim=32, num_heads=2, ref_grid=4)

@@ -159,3 +159,16 @@ def test_the_main_jobs_printed_lines_are_its_measured_reference():
     mean_none = 100 * sum(none["top1"]) / len(none["top1"])
     assert f"the same recipe reached {mean_none:.1f}%" in README
     assert f"sincos2d adds {100 * seed0 - mean_none:+.1f} points" in README
+
+
+def test_the_timm_pages_coverage_is_the_record():
+    """docs/timm.md's coverage paragraph, and the README's count, are what benchmarks/timm_coverage.py makes of its
+    committed record (measured with the timm the page names; a newer timm may list more models: re-run it)."""
+    cov = load_benchmark("timm_coverage")
+    rows = cov.read_record()
+    assert rows and all(r["status"] in ("converted", "differs", "refused") for r in rows.values())
+    page = (ROOT / "docs" / "timm.md").read_text()
+    for line in cov.summary(rows).splitlines()[:2]:
+        assert line in page, line
+    converted = sum(r["status"] == "converted" for r in rows.values())
+    assert f"{converted} of {len(rows)}" in README

@@ -1,7 +1,7 @@
 """vitpe: Vision Transformers and their positional encodings, as functions of continuous patch coordinates."""
 from . import timm_models  # registers vitpe_* architectures with timm.create_model
 from .coords import COORD_MODES, CoordAugment, PatchGrid, TokenGrid, cell_coords, grid_coords, patch_units
-from .interop import cpb_from_swinv2, equip_timm_vit, load_timm_state_dict, vit_from_timm
+from .interop import cpb_from_swinv2, equip_timm_vit
 from .packing import Packed, PackingError, image_patches, pack_images, pack_patches
 from .patch import resize_patch_embed
 from .pos_embed import (
@@ -25,6 +25,7 @@ from .pos_embed import (
     sincos_1d,
     sincos_2d,
 )
+from .timm_convert import load_timm_state_dict, vit_from_timm
 from .vit import Attention, Block, LayerScale, VisionTransformer
 
 __version__ = "0.1.0"

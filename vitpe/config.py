@@ -45,7 +45,7 @@ class ModelConfig:
     pos_embed_kwargs: Dict[str, Any] = field(default_factory=dict)
     class_token: bool = True
     num_reg_tokens: int = 0
-    pool: str = "cls"  # "cls" or "mean"
+    pool: str = "cls"  # "cls", "mean" or "map" (an attention-pool head, SigLIP's)
     # Coordinates at new resolutions: "interpolate", "extrapolate", "normalize" (DINOv3's [-1, 1]) or "extend" (per axis:
     # extrapolate if longer than trained, else interpolate).
     coord_mode: str = "interpolate"
@@ -57,6 +57,21 @@ class ModelConfig:
     norm_eps: float = 1e-6
     init_values: Optional[float] = None  # LayerScale (DeiT-III, RoPE-ViT); None: off
     content_keep: float = 1.0  # keep this fraction of each image's patch tokens, those that differ most from its background (training and evaluation)
+    # The variants of the ViTs people load (vitpe.vit_from_timm; VisionTransformer's docstring says what each does).
+    norm_layer: str = "layernorm"  # or "rmsnorm"
+    mlp_act: str = "gelu"  # gelu | gelu_tanh | quick_gelu | silu
+    mlp_gated: bool = False  # GLU (SwiGLU with mlp_act: silu)
+    mlp_norm: bool = False
+    mlp_hidden_dim: Optional[int] = None  # overrides mlp_ratio
+    qk_norm: bool = False
+    attn_norm: bool = False
+    patch_bias: bool = True
+    pre_norm: bool = False
+    final_norm: str = "tokens"  # tokens | pooled (timm's fc_norm) | none
+    pool_prefix: bool = False
+    pool_heads: Optional[int] = None  # pool: map's heads (default: num_heads)
+    distilled: bool = False
+    post_norm: bool = False  # res-post-norm blocks (timm's ResPostBlock)
 
 
 @dataclass

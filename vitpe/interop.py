@@ -1,5 +1,5 @@
-"""vitpe and timm: equip a timm ViT with any vitpe PE, and load timm's ViT, DeiT-III, RoPE-ViT and Swin-V2
-position weights into vitpe.
+"""vitpe inside timm: equip a timm ViT with any vitpe PE, and give Swin-V2's position MLP to vitpe's ``cpb``
+(timm's ViTs as vitpe models: :mod:`vitpe.timm_convert`).
 
 Which timm weights a PE can take is the PE's own answer (:meth:`vitpe.PosEmbed.from_timm`), never a guess
 from key names.
@@ -14,9 +14,9 @@ from torch import Tensor, nn
 
 from .coords import CoordMode, PatchGrid, Size2, to_2tuple
 from .pos_embed import PosContext, PosEmbed, build_pos_embed
-from .vit import VisionTransformer, attend, compute_dtype, pin_traced_size, position_tokens
+from .vit import attend, compute_dtype, pin_traced_size, position_tokens
 
-__all__ = ["equip_timm_vit", "vit_from_timm", "load_timm_state_dict", "timm_to_vitpe_state_dict", "cpb_from_swinv2"]
+__all__ = ["equip_timm_vit", "cpb_from_swinv2"]
 
 
 def _split_prefix_positions(pos: Tensor, n_cls: int, n_reg: int, no_embed_class: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Tensor]:
@@ -29,12 +29,6 @@ def _split_prefix_positions(pos: Tensor, n_cls: int, n_reg: int, no_embed_class:
         return None, None, pos
     prefix = pos[:, : n_cls + n_reg]
     return (prefix[:, :n_cls] if n_cls else None), (prefix[:, n_cls:] if n_reg else None), pos[:, n_cls + n_reg :]
-
-
-def _is_eva(model: nn.Module) -> bool:
-    from timm.models.eva import Eva
-
-    return isinstance(model, Eva)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -173,144 +167,6 @@ def equip_timm_vit(
             blk._vitpe_state, blk._vitpe_layer = model._vitpe_state, i
             blk.forward = functools.partial(_equipped_block, blk)
     return outer
-
-
-# ---- timm weights -> vitpe.VisionTransformer ---------------------------------------------------------
-_PE_KEYS = ("pos_embed", "rope.freqs")  # timm's position weights, handed to the PE to take or leave
-
-
-def _rename(key: str) -> str:
-    """A timm ViT/Eva parameter name -> vitpe's."""
-    if key.startswith("patch_embed.proj."):
-        return "patch_embed." + key[len("patch_embed.proj."):]
-    for timm_name, ours in (("gamma_1", "ls1.gamma"), ("gamma_2", "ls2.gamma")):  # Eva's LayerScale
-        if key.startswith("blocks.") and key.endswith("." + timm_name):
-            return key[: -len(timm_name)] + ours
-    return key
-
-
-def split_timm_state_dict(sd: Dict[str, Tensor], num_prefix_tokens: int, no_embed_class: bool = False) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
-    """A timm ViT/Eva state dict -> (vitpe names of everything but the PE, timm's PE weights for
-    :meth:`PosEmbed.from_timm`). Positions of prefix tokens are folded into the tokens (vitpe gives prefix
-    tokens no position); ``pos_embed`` keeps only the patch positions."""
-    out = {_rename(k): v for k, v in sd.items() if k not in _PE_KEYS}
-    pe = {k: sd[k] for k in _PE_KEYS if k in sd}
-    if "pos_embed" in pe:
-        n_cls = int("cls_token" in out)
-        cls_pos, reg_pos, pe["pos_embed"] = _split_prefix_positions(pe["pos_embed"], n_cls, num_prefix_tokens - n_cls, no_embed_class)
-        if cls_pos is not None:
-            out["cls_token"] = out["cls_token"] + cls_pos
-        if reg_pos is not None:
-            out["reg_token"] = out["reg_token"] + reg_pos
-    return out, pe
-
-
-def timm_to_vitpe_state_dict(sd: Dict[str, Tensor], grid: Size2, num_prefix_tokens: int, no_embed_class: bool = False) -> Dict[str, Tensor]:
-    """Rename a timm ViT state dict for ``vitpe.VisionTransformer(pos_embed="learned")`` (table on ``grid``)."""
-    from .pos_embed import LearnedPosEmbed
-
-    out, pe_weights = split_timm_state_dict(sd, num_prefix_tokens, no_embed_class)
-    if "pos_embed" in pe_weights:
-        dim = pe_weights["pos_embed"].shape[-1]
-        out.update({f"pos_embed.{k}": v for k, v in LearnedPosEmbed(dim, 1, grid).from_timm(pe_weights).items()})
-    return out
-
-
-def load_timm_state_dict(model: VisionTransformer, state_dict: Dict[str, Tensor], no_embed_class: bool = False) -> None:
-    """Load timm ViT (or RoPE-ViT Eva) weights into a vitpe ``VisionTransformer``.
-
-    The model's PE takes the timm position weights it can (:meth:`PosEmbed.from_timm`: a learned table,
-    RoPE-Mixed frequencies, Swin biases) and keeps its own parameters for the rest; everything else must
-    match exactly, or ``CheckpointError`` says what does not.
-    """
-    from .checkpoint import load_model_state
-
-    sd, pe_weights = split_timm_state_dict(state_dict, model.num_prefix_tokens, no_embed_class)
-    pe_state = {**model.pos_embed.state_dict(), **model.pos_embed.from_timm(pe_weights)}
-    sd.update({f"pos_embed.{k}": v for k, v in pe_state.items()})
-    load_model_state(model, sd, "timm state dict")
-
-
-def _timm_pos_embed(m: nn.Module) -> Tuple[str, Dict[str, Any]]:
-    """The vitpe PE that computes what a timm model's position weights compute, with its options."""
-    from timm.layers import RotaryEmbeddingMixed
-
-    rope = getattr(m, "rope", None)
-    if rope is not None and not isinstance(rope, RotaryEmbeddingMixed):
-        raise ValueError(
-            f"this timm model's rotary embedding ({type(rope).__name__}) has no vitpe equivalent yet; vitpe loads RoPE-Mixed (RotaryEmbeddingMixed)"
-        )
-    ape = m.pos_embed is not None
-    if rope is None:
-        return ("learned", {"antialias": True}) if ape else ("none", {})
-    if not ape:
-        return "rope_mixed", {"coord_mode": "extrapolate"}
-    # RoPE-ViT's "+APE": the table is resized to the new grid (bicubic), RoPE keeps integer positions.
-    return "learned+rope_mixed", {"learned.coord_mode": "interpolate", "learned.antialias": True, "rope_mixed.coord_mode": "extrapolate"}
-
-
-def vit_from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
-    """A ``vitpe.VisionTransformer`` with the same architecture, weights and function as a timm model, at
-    the training size and at new sizes.
-
-    Takes timm's ``VisionTransformer`` (ViT, DeiT, DeiT-III with LayerScale, register tokens) with a learned
-    table or none, and timm's ``Eva`` ports of RoPE-ViT (``vit_*_patch16_rope_mixed_ape_224`` and
-    ``vit_*_patch16_rope_mixed_224``): RoPE-Mixed frequencies, the learned table resized bicubically and RoPE
-    extrapolated, as the RoPE-ViT reference does. The table is resized with timm's antialiasing, so the result
-    equals the timm model given; ``pos_embed_kwargs={..., "learned.antialias": False}`` gives the papers' plain
-    bicubic instead (RoPE-ViT's and DeiT's own code). ``pos_embed=...`` among ``overrides`` swaps in another PE;
-    it takes whatever timm weights it can and starts the rest fresh. Anything vitpe's ViT does not have
-    (qk-norm, fc_norm, SwiGLU, ...) raises ``ValueError`` naming it.
-    """
-    from timm.layers import Mlp
-
-    m = _unwrap(timm_model)
-    if hasattr(m, "vitpe_pos_embed"):
-        raise ValueError(f"this timm model already carries vitpe's {m.vitpe_pos_embed.name!r} PE (equip_timm_vit): vit_from_timm "
-                         "takes a timm model as timm builds it; convert the model before equipping it, then pass pos_embed=... here")
-    eva = _is_eva(m)
-    if not eva:
-        _check_timm_vit(m)
-    blk = m.blocks[0]
-    attn = blk.attn
-    identity = lambda mod: mod is None or isinstance(mod, nn.Identity)  # noqa: E731
-    layer_scale = getattr(blk, "gamma_1", None) is not None if eva else not identity(getattr(blk, "ls1", None))
-    unsupported = []
-    if getattr(attn, "qkv", None) is None or getattr(attn, "q_bias", None) is not None:
-        unsupported.append("separate q/k/v projections")
-    if not (identity(getattr(attn, "q_norm", None)) and identity(getattr(attn, "k_norm", None))):
-        unsupported.append("qk_norm")
-    if not identity(getattr(attn, "norm", None)):
-        unsupported.append("a norm inside attention")
-    if not identity(getattr(m, "fc_norm", None)):
-        unsupported.append("fc_norm")
-    if not identity(getattr(m, "norm_pre", None)):
-        unsupported.append("pre-norm (norm_pre)")
-    if type(blk.mlp) is not Mlp or not isinstance(blk.mlp.act, nn.GELU):
-        unsupported.append(f"a {type(blk.mlp).__name__} MLP (vitpe's is Mlp with GELU)")
-    if m.global_pool not in ("token", "avg"):
-        unsupported.append(f"global_pool={m.global_pool!r}")
-    if unsupported:
-        raise ValueError(f"this timm model uses {', '.join(unsupported)}, which vitpe.VisionTransformer does not have")
-    patch = m.patch_embed.patch_size
-    if patch[0] != patch[1]:
-        raise ValueError(f"non-square patches {patch} are not supported")
-    pos_embed, pos_kwargs = _timm_pos_embed(m)
-    reg = getattr(m, "reg_token", None)
-    args = dict(
-        img_size=tuple(m.patch_embed.img_size), patch_size=patch[0], in_chans=m.patch_embed.proj.in_channels,
-        num_classes=m.num_classes, embed_dim=m.embed_dim, depth=len(m.blocks), num_heads=attn.num_heads,
-        mlp_ratio=blk.mlp.fc1.out_features / m.embed_dim, pos_embed=pos_embed, pos_embed_kwargs=pos_kwargs,
-        class_token=m.cls_token is not None, num_reg_tokens=0 if reg is None else reg.shape[1],
-        pool="cls" if m.global_pool == "token" else "mean", qkv_bias=attn.qkv.bias is not None, norm_eps=blk.norm1.eps,
-        init_values=1.0 if layer_scale else None,  # the value is loaded below
-    )
-    if "pos_embed" in overrides and "pos_embed_kwargs" not in overrides:
-        args["pos_embed_kwargs"] = {}
-    args.update(overrides)
-    model = VisionTransformer(**args)
-    load_timm_state_dict(model, m.state_dict(), no_embed_class=getattr(m, "no_embed_class", False))
-    return model.to(next(m.parameters()).device).eval()
 
 
 def cpb_from_swinv2(window_attention: nn.Module) -> PosEmbed:

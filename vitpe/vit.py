@@ -17,13 +17,15 @@ from torch import Tensor, nn
 from torch.nn.init import trunc_normal_
 
 from .coords import CoordAugment, CoordMode, PatchGrid, TokenGrid, content_tokens, snap, to_2tuple
+from .layers import AttentionPool, DropPath, LayerScale, Mlp, make_norm
 from .packing import Packed
 from .patch import resize_patch_embed
 from .pos_embed import DEFAULT_POS_EMBED, PosContext, PosEmbed, build_pos_embed, pe_parts
 
 __all__ = ["POOLS", "Attention", "Block", "LayerScale", "VisionTransformer", "attend", "compute_dtype", "position_tokens", "take_indices"]
 
-POOLS = ("cls", "mean")  # how the head reads the tokens: the class token, or the mean of the patch tokens
+POOLS = ("cls", "mean", "map")  # how the head reads the tokens: the class token, the mean of the patch tokens, an attention pool
+FINAL_NORMS = ("tokens", "pooled", "none")  # where the last norm acts: on every token, on the pooled vector (timm's fc_norm), nowhere
 
 
 def pin_traced_size(x: Tensor, dims: Tuple[int, int]) -> Tensor:
@@ -90,7 +92,8 @@ class Attention(nn.Module):
     """Multi-head self-attention with fused qkv through ``F.scaled_dot_product_attention``.
 
     Rotary encodings rotate q and k; bias encodings enter as a float mask (only then does SDPA leave
-    its flash path). ``head_dim`` defaults to ``dim // num_heads``.
+    its flash path). ``head_dim`` defaults to ``dim // num_heads``. ``qk_norm``: a norm over each head's q and k before
+    the PE (ViT-22B, EVA's ``qk_norm``); ``out_norm``: a norm over the merged heads before ``proj`` (EVA-02's sub-LN).
     """
 
     def __init__(
@@ -101,35 +104,46 @@ class Attention(nn.Module):
         qkv_bias: bool = True,
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
+        qk_norm: bool = False,
+        out_norm: bool = False,
+        norm_layer: str = "layernorm",
+        norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim or dim // num_heads
         inner = self.num_heads * self.head_dim
         self.qkv = nn.Linear(dim, 3 * inner, bias=qkv_bias)
+        self.q_norm = make_norm(norm_layer, self.head_dim, norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = make_norm(norm_layer, self.head_dim, norm_eps) if qk_norm else nn.Identity()
         self.attn_drop = attn_drop
+        self.norm = make_norm(norm_layer, inner, norm_eps) if out_norm else nn.Identity()
         self.proj = nn.Linear(inner, dim)
         self.proj_drop = nn.Dropout(proj_drop)
+        self.qk_norm = qk_norm
 
     def _split(self, x: Tensor, pos: Optional[PosContext] = None) -> Tuple[Tensor, Tensor, Tensor]:
-        """q, k, v ``(B, H, T, hd)``; a PE's mix (STRING) is folded into the q and k projections on the way."""
-        if pos is None or pos.mix is None:
+        """q, k, v ``(B, H, T, hd)``; a PE's mix (STRING) is folded into the q and k projections on the way, unless
+        q and k are normalised first (then :meth:`PosContext.rotate` mixes them after the norm)."""
+        if pos is None or pos.mix is None or self.qk_norm:
             qkv = self.qkv(x)
         else:
             qkv = F.linear(x, *pos.fold_mix(self.qkv.weight, self.qkv.bias, self.num_heads))
-        return rearrange(qkv, "b t (s h d) -> s b h t d", s=3, h=self.num_heads).unbind(0)
+        q, k, v = rearrange(qkv, "b t (s h d) -> s b h t d", s=3, h=self.num_heads).unbind(0)
+        return self.q_norm(q), self.k_norm(k), v
 
     def forward(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0, num_queries: Optional[int] = None) -> Tensor:
         """``(B, T, dim) -> (B, Q, dim)``: outputs of the first ``num_queries`` tokens (all by default)."""
-        out = attend(*self._split(x, pos), pos, layer, self.attn_drop if self.training else 0.0, num_queries, mixed=True, x=x)
-        return self.proj_drop(self.proj(out))
+        out = attend(*self._split(x, pos), pos, layer, self.attn_drop if self.training else 0.0, num_queries,
+                     mixed=not self.qk_norm, x=x)
+        return self.proj_drop(self.proj(self.norm(out)))
 
     def attention_logits(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0) -> Tensor:
         """The explicit (slow) path: ``q k^T / sqrt(d) + bias`` as ``(B, H, T, T)``, for inspection."""
         q, k, _ = self._split(x, pos)
         scale = None
         if pos is not None:
-            q, k = pos.rotate(q, k, layer, mixed=True)
+            q, k = pos.rotate(q, k, layer, mixed=not self.qk_norm)
             q, k, scale = pos.extend(q, k, x, layer)
         logits = q @ k.transpose(-2, -1) * (scale or 1 / math.sqrt(self.head_dim))
         mask = None if pos is None else pos.mask_at(layer)
@@ -140,53 +154,11 @@ class Attention(nn.Module):
         return logits + mask.to(logits.dtype)
 
 
-class DropPath(nn.Module):
-    """Stochastic depth (Huang et al. 2016): drop a sample's whole residual branch with probability ``p`` while
-    training, scaling the kept ones by ``1/(1-p)`` (as timm's ``DropPath``, without importing timm)."""
-
-    def __init__(self, p: float = 0.0) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.p == 0.0 or not self.training:
-            return x
-        keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1 - self.p)
-        return x * keep.div_(1 - self.p)
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}"
-
-
-class Mlp(nn.Module):
-    """``fc2(drop(GELU(fc1(x))))``: the transformer MLP, with timm's parameter names (``fc1``, ``fc2``)."""
-
-    def __init__(self, dim: int, hidden: int, drop: float = 0.0) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU()
-        self.drop1 = nn.Dropout(drop)
-        self.fc2 = nn.Linear(hidden, dim)
-        self.drop2 = nn.Dropout(drop)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
-
-
-class LayerScale(nn.Module):
-    """Per-channel learned scale of a residual branch (CaiT, Touvron et al. 2021; DeiT-III), timm's ``gamma``."""
-
-    def __init__(self, dim: int, init_values: float = 1e-5) -> None:
-        super().__init__()
-        self.gamma = nn.Parameter(torch.full((dim,), float(init_values)))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.gamma
-
-
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + DropPath(LS(Attn(LN(x))))``, then ``x + DropPath(LS(MLP(LN(x))))``;
-    LayerScale only with ``init_values`` (DeiT-III, RoPE-ViT), else the plain ViT block."""
+    LayerScale only with ``init_values`` (DeiT-III, RoPE-ViT), else the plain ViT block. ``post_norm``: the norms act on
+    each branch's output instead, ``x + DropPath(LN(Attn(x)))`` (res-post-norm, Swin-V2's and timm's ``ResPostBlock``).
+    The other options are the variants of the ViTs people load (:class:`VisionTransformer` names them)."""
 
     def __init__(
         self,
@@ -199,20 +171,34 @@ class Block(nn.Module):
         drop_path: float = 0.0,
         norm_eps: float = 1e-6,
         init_values: Optional[float] = None,
+        norm_layer: str = "layernorm",
+        mlp_act: str = "gelu",
+        mlp_gated: bool = False,
+        mlp_norm: bool = False,
+        mlp_hidden_dim: Optional[int] = None,
+        qk_norm: bool = False,
+        attn_norm: bool = False,
+        post_norm: bool = False,
     ) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
-        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop)
+        self.post_norm = post_norm
+        self.norm1 = make_norm(norm_layer, dim, norm_eps)
+        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=drop, qk_norm=qk_norm,
+                              out_norm=attn_norm, norm_layer=norm_layer, norm_eps=norm_eps)
         self.ls1 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+        self.norm2 = make_norm(norm_layer, dim, norm_eps)
+        self.mlp = Mlp(dim, mlp_hidden_dim or int(dim * mlp_ratio), drop, act=mlp_act, gated=mlp_gated, norm=mlp_norm,
+                       norm_layer=norm_layer, eps=norm_eps)
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
 
     def forward(self, x: Tensor, pos: Optional[PosContext] = None, layer: int = 0, num_queries: Optional[int] = None) -> Tensor:
         """``(B, T, dim) -> (B, Q, dim)``; ``num_queries=Q`` computes only the first Q tokens' outputs (they
         still attend to every token), e.g. the class token in the last block when the head reads only it."""
         shortcut = x if num_queries is None else x[:, :num_queries]
+        if self.post_norm:
+            x = shortcut + self.drop_path(self.ls1(self.norm1(self.attn(x, pos, layer, num_queries))))
+            return x + self.drop_path(self.ls2(self.norm2(self.mlp(x))))
         x = shortcut + self.drop_path(self.ls1(self.attn(self.norm1(x), pos, layer, num_queries)))
         return x + self.drop_path(self.ls2(self.mlp(self.norm2(x))))
 
@@ -247,6 +233,15 @@ class VisionTransformer(nn.Module):
     evaluation alike, the fraction ``r`` of each image's patch tokens that differ most from its background
     (:func:`vitpe.coords.content_tokens`): the flat background of an image costs no compute. ``forward_intermediates`` and
     ``feature_info`` follow timm's feature-extraction interface (``timm.create_model("vitpe_...", features_only=True)``).
+
+    The variants of the ViTs people load (:func:`vitpe.vit_from_timm`), each off by default: ``norm_layer``
+    (``"layernorm"``, ``"rmsnorm"``); ``mlp_act`` (``"gelu"``, ``"gelu_tanh"``, ``"quick_gelu"``, ``"silu"``), ``mlp_gated``
+    (GLU: SwiGLU with ``"silu"``), ``mlp_norm`` (a norm inside the MLP), ``mlp_hidden_dim`` (overrides ``mlp_ratio``);
+    ``qk_norm``; ``attn_norm`` (a norm on the attention output before its projection); ``patch_bias``; ``pre_norm`` (a norm
+    on the tokens before the first block, CLIP's); ``final_norm`` (``"tokens"``; ``"pooled"``: after pooling, timm's
+    ``fc_norm``; ``"none"``); ``pool="map"`` (an attention-pool head, SigLIP's, its MLP 4x wide; ``pool_heads`` its heads,
+    the blocks' by default); ``pool_prefix`` (the mean or attention pool reads the prefix tokens too); ``distilled``
+    (DeiT's distillation token and second head, averaged); ``post_norm`` (res-post-norm blocks, see :class:`Block`).
     """
 
     def __init__(
@@ -263,7 +258,7 @@ class VisionTransformer(nn.Module):
         pos_embed_kwargs: Optional[Dict[str, Any]] = None,
         class_token: bool = True,
         num_reg_tokens: int = 0,
-        pool: Literal["cls", "mean"] = "cls",
+        pool: Literal["cls", "mean", "map"] = "cls",
         coord_mode: str = CoordMode.INTERPOLATE,
         coord_aug: Optional[Dict[str, float]] = None,
         qkv_bias: bool = True,
@@ -273,6 +268,20 @@ class VisionTransformer(nn.Module):
         norm_eps: float = 1e-6,
         init_values: Optional[float] = None,
         content_keep: float = 1.0,
+        norm_layer: str = "layernorm",
+        mlp_act: str = "gelu",
+        mlp_gated: bool = False,
+        mlp_norm: bool = False,
+        mlp_hidden_dim: Optional[int] = None,
+        qk_norm: bool = False,
+        attn_norm: bool = False,
+        patch_bias: bool = True,
+        pre_norm: bool = False,
+        final_norm: Literal["tokens", "pooled", "none"] = "tokens",
+        pool_prefix: bool = False,
+        pool_heads: Optional[int] = None,
+        distilled: bool = False,
+        post_norm: bool = False,
     ) -> None:
         super().__init__()
         self.img_size = to_2tuple(img_size, "img_size")
@@ -286,6 +295,10 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"content_keep must be in (0, 1], got {content_keep}")
         if pool == "cls" and not class_token:
             raise ValueError("pool='cls' needs class_token=True; use pool='mean' without a class token")
+        if final_norm not in FINAL_NORMS:
+            raise ValueError(f"final_norm must be one of {', '.join(FINAL_NORMS)}, got {final_norm!r}")
+        if distilled and pool != "cls":
+            raise ValueError("distilled=True reads the class and distillation tokens: it needs pool='cls'")
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
         self.patch_size, self.in_chans, self.num_classes = patch_size, in_chans, num_classes
@@ -301,10 +314,12 @@ class VisionTransformer(nn.Module):
             if unknown:
                 raise ValueError(f"unknown coord_aug option {unknown[0]!r} in {coord_aug}; valid: {', '.join(names)}") from None
             raise ValueError(f"coord_aug takes numbers for shift, rescale and jitter and true/false for per_image, got {coord_aug}") from None
-        self.num_prefix_tokens = int(class_token) + num_reg_tokens
+        self.num_prefix_tokens = int(class_token) + int(distilled) + num_reg_tokens
+        self.pool_prefix, self.distilled = pool_prefix, distilled
 
-        self.patch_embed = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.patch_embed = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=patch_bias)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if distilled else None
         self.reg_token = nn.Parameter(torch.zeros(1, num_reg_tokens, embed_dim)) if num_reg_tokens else None
         self.pos_embed: PosEmbed = build_pos_embed(
             pos_embed, dim=embed_dim, num_heads=num_heads, ref_grid=self.ref_grid, depth=depth, **(pos_embed_kwargs or {})
@@ -316,13 +331,18 @@ class VisionTransformer(nn.Module):
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth grows with depth
         self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], norm_eps, init_values)
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], norm_eps, init_values, norm_layer,
+                  mlp_act, mlp_gated, mlp_norm, mlp_hidden_dim, qk_norm, attn_norm, post_norm)
             for i in range(depth)
         )
         self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=patch_size) for i in range(depth)]
-        self.norm = nn.LayerNorm(embed_dim, eps=norm_eps)
+        self.norm_pre = make_norm(norm_layer, embed_dim, norm_eps) if pre_norm else nn.Identity()
+        self.norm = make_norm(norm_layer, embed_dim, norm_eps) if final_norm == "tokens" else nn.Identity()
+        self.attn_pool = AttentionPool(embed_dim, pool_heads or num_heads, 4.0, mlp_act, norm_layer, norm_eps) if pool == "map" else None
+        self.fc_norm = make_norm(norm_layer, embed_dim, norm_eps) if final_norm == "pooled" else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head_dist = nn.Linear(embed_dim, num_classes) if distilled and num_classes > 0 else (nn.Identity() if distilled else None)
         self._init_weights()
 
     @property
@@ -342,13 +362,13 @@ class VisionTransformer(nn.Module):
                 trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-        for t in (self.cls_token, self.reg_token):
+        for t in (self.cls_token, self.dist_token, self.reg_token):
             if t is not None:
                 nn.init.normal_(t, std=1e-6)
 
     def no_weight_decay(self) -> set:
         """Parameter names that should not be weight-decayed (timm's optimizer factory reads this)."""
-        skip = {n for n in ("cls_token", "reg_token") if getattr(self, n) is not None}
+        skip = {n for n in ("cls_token", "dist_token", "reg_token") if getattr(self, n) is not None}
         return skip | {f"pos_embed.{n}" for n, _ in self.pos_embed.named_parameters()}
 
     # ---- forward ---------------------------------------------------------------------------------
@@ -440,7 +460,8 @@ class VisionTransformer(nn.Module):
                 tokens = tokens.gather(1, index[..., None].expand(-1, -1, tokens.shape[-1]))
         num_prefix = self.num_prefix_tokens * grid.images_per_row
         pos = self.pos_embed.context(grid, num_prefix, compute_dtype(tokens))
-        return self.pos_drop(position_tokens(tokens, pos, (self.cls_token, self.reg_token))), pos
+        x = position_tokens(tokens, pos, (self.cls_token, self.dist_token, self.reg_token))
+        return self.norm_pre(self.pos_drop(x)), pos
 
     @staticmethod
     def _check_grid(grid: Union[PatchGrid, TokenGrid], batch: int, grid_hw: Tuple[int, int]) -> None:
@@ -527,15 +548,26 @@ class VisionTransformer(nn.Module):
         return take
 
     def forward_head(self, x: Tensor, pre_logits: bool = False, grid: Optional[Union[PatchGrid, TokenGrid]] = None) -> Tensor:
-        """Pool (class token or mean of the patch tokens) and classify. ``grid``: a packed batch's, pooled per image."""
-        x = self.head_drop(self.pool_tokens(x, grid))
-        return x if pre_logits else self.head(x)
+        """Pool (class token, mean of the patch tokens or attention pool) and classify. ``grid``: a packed batch's, pooled
+        per image. A distilled model averages its two heads' logits, as DeiT evaluates (``pre_logits``: the class token's)."""
+        pooled = self.head_drop(self.fc_norm(self.pool_tokens(x, grid)))
+        if pre_logits:
+            return pooled
+        if self.distilled:
+            return (self.head(pooled) + self.head_dist(self.head_drop(self.fc_norm(x[:, 1])))) / 2
+        return self.head(pooled)
 
     def pool_tokens(self, x: Tensor, grid: Optional[Union[PatchGrid, TokenGrid]] = None) -> Tensor:
         """``(B, T, D) -> (images, D)``: one vector per image; a packed row holds several, returned in input order."""
         p = self.num_prefix_tokens
         if grid is None or not grid.batched or grid.segments is None:
-            return x[:, 0] if self.pool == "cls" else x[:, p:].mean(dim=1)
+            if self.pool == "cls":
+                return x[:, 0]
+            tokens = x if self.pool_prefix else x[:, p:]
+            return tokens.mean(dim=1) if self.pool == "mean" else self.attn_pool(tokens)
+        if self.pool == "map" or self.pool_prefix or self.distilled:
+            raise ValueError("an attention-pool, prefix-pooling or distilled head reads each image's tokens as one sequence: call "
+                             "the model with image batches, not a packed batch")
         k = grid.images_per_row
         rows, slots = grid.images.unbind(-1)
         if self.pool == "cls":
@@ -556,7 +588,7 @@ class VisionTransformer(nn.Module):
         x, pos = self.embed(x, grid, patch_size, token_keep)
         # A class-token head reads only the class tokens, and the last block's other outputs feed nothing: compute that
         # block for the leading tokens up to the last class token alone (same logits and gradients, ~9/12 of it saved).
-        last_cls = (pos.grid.images_per_row - 1) * self.num_prefix_tokens + 1
+        last_cls = (pos.grid.images_per_row - 1) * self.num_prefix_tokens + 1 + int(self.distilled)
         for x in self.run_blocks(x, pos, num_queries=last_cls if self.pool == "cls" else None):
             pass
         return self.forward_head(self.norm(x), grid=pos.grid)

@@ -138,32 +138,69 @@ class ContinuousPositionBias(PosEmbed):
     """Swin-V2 log-spaced continuous position bias (Liu et al., CVPR 2022): a small MLP of the log-spaced
     offset, ``16 * sigmoid(MLP(sign(d) log2(1 + |8d/(ref-1)|) / 3))``. Offsets are continuous, so a new
     grid just evaluates the MLP at new points; the log spacing keeps extrapolated offsets near the
-    trained range."""
+    trained range.
+
+    timm's relative-position ViTs (``vit_relpos_*``, its "cr" form) are the options ``spacing="log"`` (``sign(d) ln(1 + |d|)``
+    of the offset in patches), ``squash=False`` (the MLP's output is the bias), ``out_bias=True`` (a bias on the MLP's
+    last layer) and ``per_layer=True`` (one MLP per block)."""
 
     acts_on = "attention logits"
     cost_note = ("runs its MLP (hidden_dim wide) at every distinct offset; with coordinates per image at each image's own "
                  "offsets, which makes training with coord_aug drawn per image about 2x slower")
+    SPACINGS = ("swin_v2", "log")
 
-    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, hidden_dim: int = 512) -> None:
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, hidden_dim: int = 512, spacing: str = "swin_v2",
+                 squash: bool = True, out_bias: bool = False, per_layer: bool = False) -> None:
         super().__init__(dim, num_heads, ref_grid, depth)
-        self.mlp = nn.Sequential(nn.Linear(2, hidden_dim), nn.ReLU(inplace=True), nn.Linear(hidden_dim, num_heads, bias=False))
+        if spacing not in self.SPACINGS:
+            raise ValueError(f"cpb spacing must be one of {', '.join(self.SPACINGS)}, got {spacing!r}")
+        self.spacing, self.squash, self.per_layer = spacing, squash, per_layer
+
+        def mlp() -> nn.Sequential:
+            return nn.Sequential(nn.Linear(2, hidden_dim), nn.ReLU(inplace=True), nn.Linear(hidden_dim, num_heads, bias=out_bias))
+
+        self.mlp = nn.ModuleList(mlp() for _ in range(depth)) if per_layer else mlp()
+
+    def _features(self, offsets: Tensor) -> Tensor:
+        if self.spacing == "log":
+            return torch.sign(offsets) * torch.log1p(offsets.abs())
+        return log_spaced(offsets, self.ref_grid)
 
     def bias(self, grid: PatchGrid) -> Tensor:
         offsets, index = _offsets_and_index(self, grid)
-        weight = self.mlp[0].weight
-        table = self.memo(grid, "log", lambda: log_spaced(offsets, self.ref_grid)) if index is not None else log_spaced(offsets, self.ref_grid)
-        return 16 * torch.sigmoid(_spread(self.mlp(table.to(weight.device, weight.dtype)), index))
+        mlps = list(self.mlp) if self.per_layer else [self.mlp]
+        weight = mlps[0][0].weight
+        table = self.memo(grid, ("features", self.spacing), lambda: self._features(offsets)) if index is not None else self._features(offsets)
+        table = table.to(weight.device, weight.dtype)
+        out = [_spread(m(table), index) for m in mlps]
+        out = torch.stack(out) if self.per_layer else out[0]  # (L, [B], H, N, N) or ([B], H, N, N)
+        return 16 * torch.sigmoid(out) if self.squash else out
 
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        """Swin-V2's ``cpb_mlp``. Its input columns are ``(dy, dx)``, vitpe's ``(dx, dy)``: the first layer's
+        """Swin-V2's ``cpb_mlp``, or timm's relative-position ViT MLPs (``blocks.{i}.attn.rel_pos.mlp.*`` per block,
+        ``shared_rel_pos.mlp.*`` shared). Their input columns are ``(dy, dx)``, vitpe's ``(dx, dy)``: the first layer's
         columns are swapped, so the same MLP sees the same offsets."""
-        if "cpb_mlp.0.weight" not in weights:
+        if "cpb_mlp.0.weight" in weights:
+            names = {"0.weight": "cpb_mlp.0.weight", "0.bias": "cpb_mlp.0.bias", "2.weight": "cpb_mlp.2.weight", "2.bias": "cpb_mlp.2.bias"}
+            out = {f"mlp.{k}": weights[v] for k, v in names.items() if v in weights}
+        elif any(".rel_pos.mlp." in k or k.startswith("shared_rel_pos.mlp.") for k in weights):
+            shared = "shared_rel_pos.mlp.fc1.weight" in weights
+            if shared == self.per_layer:
+                raise ValueError(f"timm's {'shared' if shared else 'per-block'} relative-position MLP needs cpb per_layer={not shared}")
+            sources = {"": "shared_rel_pos.mlp."} if shared else {f"{i}.": f"blocks.{i}.attn.rel_pos.mlp." for i in range(self.depth)}
+            out = {}
+            for ours, theirs in sources.items():
+                for k, v in (("0.weight", "fc1.weight"), ("0.bias", "fc1.bias"), ("2.weight", "fc2.weight"), ("2.bias", "fc2.bias")):
+                    if theirs + v in weights:
+                        out[f"mlp.{ours}{k}"] = weights[theirs + v]
+        else:
             return {}
-        out = {"mlp.0.weight": weights["cpb_mlp.0.weight"][:, [1, 0]], "mlp.0.bias": weights["cpb_mlp.0.bias"], "mlp.2.weight": weights["cpb_mlp.2.weight"]}
-        own = dict(self.mlp.state_dict())
-        bad = [f"{k} {tuple(v.shape)} vs {tuple(own[k[4:]].shape)}" for k, v in out.items() if v.shape != own[k[4:]].shape]
-        if bad:
-            raise ValueError(f"Swin-V2 cpb_mlp does not fit this cpb (hidden_dim, num_heads): {bad[0]}")
+        out = {k: v[:, [1, 0]] if k.endswith("0.weight") and v.shape[-1] == 2 else v for k, v in out.items()}
+        own = dict(self.state_dict())
+        bad = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape) if k in own else 'none'}" for k, v in out.items() if k not in own or v.shape != own[k].shape]
+        missing = [k for k in own if k not in out]
+        if bad or missing:
+            raise ValueError(f"the timm position MLP does not fit this cpb (hidden_dim, num_heads, out_bias): {(bad or missing)[0]}")
         return out
 
 

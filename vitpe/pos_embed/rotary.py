@@ -2,7 +2,7 @@
 RoPE, with the extrapolation controls every rotary family shares (PI, NTK, YaRN, p-RoPE)."""
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +52,10 @@ class RotaryPosEmbed(PosEmbed):
       which already keep the trained extent (interpolate mode *is* position interpolation).
     - ``p_rope``: the fraction of each head's lowest frequencies left unrotated (p-RoPE, Barbero et al., ICLR 2025).
     - ``yarn_alpha``, ``yarn_beta``: YaRN's band edges, in turns over the trained extent.
+    - ``offset``, ``cell_offset``: added to both coordinates before the angles, ``offset + cell_offset * spacing`` (the
+      grid's distance between neighbouring patches, per axis): the frames of models that measure a patch at its corner
+      rather than its centre (EVA-02: ``0.5, -0.5``; the Perception Encoder, whose first patch sits at 1: ``0.5, 0.5``).
+      Patch-to-patch attention is unchanged; attention between the unrotated prefix tokens and the patches sees it.
     """
 
     acts_on = "q and k"
@@ -64,9 +68,10 @@ class RotaryPosEmbed(PosEmbed):
     )
 
     def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, scaling: str = "none",
-                 p_rope: float = 0.0, yarn_alpha: float = 1.0, yarn_beta: float = 32.0) -> None:
+                 p_rope: float = 0.0, yarn_alpha: float = 1.0, yarn_beta: float = 32.0, offset: float = 0.0,
+                 cell_offset: float = 0.0) -> None:
         super().__init__(dim, num_heads, ref_grid, depth)
-        self.scaling, self.p_rope = scaling, p_rope
+        self.scaling, self.p_rope, self.offset, self.cell_offset = scaling, p_rope, float(offset), float(cell_offset)
         self.yarn_alpha, self.yarn_beta = float(yarn_alpha), float(yarn_beta)
 
     @property
@@ -103,7 +108,7 @@ class RotaryPosEmbed(PosEmbed):
 
     def _angles(self, grid: PatchGrid) -> Tensor:
         freqs = self._freqs()
-        coords = grid.coords.to(freqs.device)
+        coords = grid.coords.to(freqs.device) + self._shift(grid)
         ratio = length_ratio(self, grid) if self.scaling != "none" else None
         if ratio is None:
             return rope_angles(coords, freqs)
@@ -116,6 +121,14 @@ class RotaryPosEmbed(PosEmbed):
         x = coords[..., 0].reshape(*coords.shape[:2], *([1] * (n_f + 1)))
         y = coords[..., 1].reshape(*coords.shape[:2], *([1] * (n_f + 1)))
         return (x * f[:, :, 0] + y * f[:, :, 1]).movedim(1, -2)  # (B, *F, N, P)
+
+    def _shift(self, grid: PatchGrid) -> Union[float, Tensor]:
+        if not self.cell_offset:
+            return self.offset
+        if grid.spacing is None:
+            raise ValueError(f"{self.name} with cell_offset={self.cell_offset} measures patches from their corner, which needs a "
+                             "regular grid: per-image or augmented coordinates have none (set cell_offset=0 to train with them)")
+        return self.offset + self.cell_offset * torch.tensor(grid.spacing, dtype=torch.float32)
 
     def rope_angles(self, grid: PatchGrid) -> Tensor:
         if any(p.requires_grad for p in self.parameters()):
