@@ -477,3 +477,37 @@ def test_content_keep_trains_evaluates_and_predicts(tmp_path, capsys):
         eval_script.main([str(tmp_path / "ck"), "--native", "--out", str(tmp_path / "e2")])
     with pytest.raises(ConfigError, match="model.content_keep=0.5 selects tokens from whole images"):
         train(tmp_path, "x", "--set", "model.content_keep=0.5", "--set", "train.max_tokens=64")
+
+
+def test_tensorboard_curves_are_written_beside_the_metrics_and_once_per_epoch_after_a_resume(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import signal as signal_module
+
+    handle = signal_after_update("SIGTERM", 12)  # tiny: 8 steps an epoch; stopped inside epoch 2, after epoch 1's events
+    try:
+        assert train(tmp_path, "tb", "--set", "train.tensorboard=true") == 128 + signal_module.SIGTERM
+    finally:
+        handle.remove()
+    run = tmp_path / "tb"
+    assert train_script.main(["--resume", str(run)]) == 0
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/accuracy", "test/loss", "test/top1", "train/lr", "speed/images_per_s"} <= tags
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    top1 = acc.Scalars("test/top1")
+    assert [e.step for e in top1] == [r["epoch"] for r in rows]
+    assert top1[-1].value == pytest.approx(rows[-1]["test_top1"], rel=1e-6)
+
+
+def test_tensorboard_asked_for_without_the_package_is_one_line(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    from vitpe.config import apply_overrides
+
+    with pytest.raises(ConfigError, match=r"train.tensorboard=true needs the tensorboard package.*pip install tensorboard"):
+        apply_overrides(load_config(TINY), ["train.tensorboard=true"])

@@ -4,6 +4,7 @@ Unknown keys and ill-typed values raise :class:`ConfigError` with one line sayin
 what is valid. The resolved config is saved in every run directory and inside every checkpoint.
 """
 import dataclasses
+import importlib.util
 import re
 import typing
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ class TrainConfig:
     steps: Optional[int] = None
     warmup_steps: Optional[int] = None
     dist_timeout_s: float = 600.0  # torchrun: a rank that does not answer for this long stops the run with a message
+    tensorboard: bool = False  # also write each epoch's metrics as TensorBoard event files in RUN/tensorboard (pip install tensorboard)
 
 
 @dataclass
@@ -229,6 +231,9 @@ def _validate(cfg: Config) -> None:
     for key, (value, valid) in choices.items():
         if value not in valid:
             raise ConfigError(f"{key}={value!r} is not valid{did_you_mean(value, valid)}; choose one of {', '.join(valid)}")
+    if cfg.train.tensorboard is True and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("train.tensorboard=true needs the tensorboard package, which is not installed: pip install tensorboard "
+                          "(or pip install -e '.[tensorboard]'), or leave train.tensorboard off")
     try:
         CoordMode.parse(cfg.model.coord_mode, "model.coord_mode")
     except ValueError as e:

@@ -146,6 +146,32 @@ def write_metrics(run: Path, rows: List[dict]) -> None:
     write_csv(rows, run / METRICS_CSV)
 
 
+TENSORBOARD_DIR = "tensorboard"  # the run's TensorBoard event files (train.tensorboard)
+# metrics.jsonl's columns -> TensorBoard's tags: the curves a reader compares across runs
+TENSORBOARD_TAGS = {"train_loss": "train/loss", "train_acc": "train/accuracy", "test_loss": "test/loss", "test_top1": "test/top1",
+                    "test_top5": "test/top5", "lr": "train/lr", "images_per_s": "speed/images_per_s", "epoch_s": "speed/epoch_s"}
+
+
+class TensorBoardLog:
+    """Each finished epoch's metrics as TensorBoard scalars in ``RUN/tensorboard`` (step = epoch), beside metrics.jsonl.
+    A resumed run starts a new event file and drops what the old ones hold from its first epoch on (``purge_step``),
+    so the curves show each epoch once."""
+
+    def __init__(self, run: Path, first_epoch: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run / TENSORBOARD_DIR), purge_step=first_epoch + 1)
+
+    def write(self, row: Dict[str, Any]) -> None:
+        for key, tag in TENSORBOARD_TAGS.items():
+            if isinstance(row.get(key), (int, float)):
+                self.writer.add_scalar(tag, row[key], row["epoch"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 def config_changes(stored: Dict[str, Any], wanted: Dict[str, Any], prefix: str = "") -> List[str]:
     """``key: stored -> wanted`` for every config value (nested dicts flattened to dotted keys) that differs; the run's
     name and place are not part of what it trained, and a ``train.budget_min`` run's epochs are its budget's decision."""

@@ -41,7 +41,19 @@ from vitpe.data.mixed import draw_sizes, mixed_batch
 from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, forward_bytes, memory_available, resolve_device, seed_step
 from vitpe.errors import VitpeError, run_cli
 from vitpe.pos_embed import NO_POS_EMBED
-from vitpe.runs import CONFIG_NAME, LOCK_NAME, METRICS_CSV, METRICS_JSONL, RunError, RunLock, config_changes, create_run_dir, safe_name, write_metrics  # noqa: F401 (safe_name: public name)
+from vitpe.runs import (  # noqa: F401 (safe_name: public name)
+    CONFIG_NAME,
+    LOCK_NAME,
+    METRICS_CSV,
+    METRICS_JSONL,
+    RunError,
+    RunLock,
+    TensorBoardLog,
+    config_changes,
+    create_run_dir,
+    safe_name,
+    write_metrics,
+)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shapes.yaml"  # the repository's configs/
 # Measured results of recipes, by PE (benchmarks/accuracy.py --suite main writes it): what a finished run compares itself to.
@@ -460,6 +472,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.cuda.set_device(device)
         model.to(device)
     lock = RunLock(run) if rank == 0 else None
+    board = None
     try:
         if lock is not None:
             lock.__enter__()
@@ -474,13 +487,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             log(f"resuming {run} at epoch {epoch + 1}, step {step}/{steps_per_epoch}")
         elif args.resume:
             log(f"{run} has no checkpoint yet (it stopped before its first): starting it from step 0 with its saved config")
+        if rank == 0 and cfg.train.tensorboard:
+            board = TensorBoardLog(run, epoch)
         return train_loop(Job(
             cfg=cfg, run=run, rank=rank, world=world, device=device, dtype=dtype, log=log, ds=ds, train_at=train_at,
             train_y=train_y, test_x=test_x, test_y=test_y, sizes=sizes, augment=augment, model=model, model_args=model_args,
             optimizer=optimizer, scheduler=scheduler, scaler=scaler, ema=ema, mixup=mixup, criterion=criterion,
             steps_per_epoch=steps_per_epoch, epoch=epoch, step=step, rows=rows, partial=partial, last_saved=last_saved, budget=budget,
+            board=board,
         ))
     finally:
+        if board is not None:
+            board.close()
         if lock is not None:
             lock.__exit__()
         if distributed and dist.is_initialized():
@@ -556,6 +574,7 @@ class Job:
     partial: Dict[str, float]
     last_saved: Optional[Tuple[int, int]]
     budget: Optional[Dict[str, float]] = None  # train.budget_min's decision: the measured rate and the epochs it allows
+    board: Optional[TensorBoardLog] = None  # train.tensorboard's event files (rank 0)
 
     def fit_budget(self, rate: float) -> None:
         """Set train.epochs to the most whole epochs whose steps fit in train.budget_min at ``rate`` images/s (one
@@ -686,6 +705,8 @@ class Job:
         self.checkpoint()  # checkpoint first: metrics never run ahead of the weights
         if self.rank == 0:
             write_metrics(self.run, self.rows)
+            if self.board is not None:
+                self.board.write(self.rows[-1])
             r = self.rows[-1]
             weights = " (EMA weights)" if self.ema is not None else ""
             self.log(f"epoch {self.epoch}/{cfg.train.epochs}: train loss {r['train_loss']:.3f} acc {r['train_acc']:.3f} | "
