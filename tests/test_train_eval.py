@@ -481,9 +481,9 @@ def test_content_keep_trains_evaluates_and_predicts(tmp_path, capsys):
 
 def test_tensorboard_curves_are_written_beside_the_metrics_and_once_per_epoch_after_a_resume(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     import signal as signal_module
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     handle = signal_after_update("SIGTERM", 12)  # tiny: 8 steps an epoch; stopped inside epoch 2, after epoch 1's events
     try:
