@@ -25,6 +25,7 @@ from .pos_embed import (
     sincos_1d,
     sincos_2d,
 )
+from .pretrained import from_pretrained, save_pretrained
 from .timm_convert import load_timm_state_dict, vit_from_timm
 from .vit import Attention, Block, LayerScale, VisionTransformer
 
@@ -71,4 +72,6 @@ __all__ = [
     "vit_from_timm",
     "load_timm_state_dict",
     "cpb_from_swinv2",
+    "save_pretrained",
+    "from_pretrained",
 ]

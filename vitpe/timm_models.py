@@ -43,9 +43,12 @@ def _entrypoint(name: str, arch: Dict[str, Any], pos_embed: str | None) -> Calla
     return create
 
 
+GENERIC = "vitpe_vit"  # every argument from the caller: what vitpe.save_pretrained's config.json names (its model_args)
+
+
 def timm_model_names() -> List[str]:
     """The names this module registers with timm."""
-    return [f"vitpe_{a}" + (f"_{pe}" if pe else "") for a in ARCHITECTURES for pe in [None] + list_pos_embeds()]
+    return [GENERIC] + [f"vitpe_{a}" + (f"_{pe}" if pe else "") for a in ARCHITECTURES for pe in [None] + list_pos_embeds()]
 
 
 def _register() -> None:
@@ -54,6 +57,12 @@ def _register() -> None:
     from timm.models import register_model
 
     size = lambda a: (3, a["img_size"], a["img_size"])  # noqa: E731
+    # The generic entry names no classifier, so timm never drops a saved head for a num_classes it did not expect.
+    default_cfgs[GENERIC] = dict(url="", num_classes=1000, input_size=(3, 224, 224), pool_size=None, crop_pct=1.0, interpolation="bicubic",
+                                 mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), first_conv="patch_embed", classifier=None)
+    fn = _entrypoint(GENERIC, {}, None)
+    fn.__module__ = __name__
+    globals()[GENERIC] = register_model(fn)
     for arch_name, arch in ARCHITECTURES.items():
         for pe in [None] + list_pos_embeds():
             name = f"vitpe_{arch_name}" + (f"_{pe}" if pe else "")

@@ -283,7 +283,9 @@ class VisionTransformer(nn.Module):
         distilled: bool = False,
         post_norm: bool = False,
     ) -> None:
+        args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
+        self.model_args: Dict[str, Any] = args  # what built it: vitpe.save_pretrained writes them (model.coord_mode as it is then)
         self.img_size = to_2tuple(img_size, "img_size")
         if not isinstance(patch_size, int) or patch_size < 1:
             raise ValueError(f"patch_size must be a positive int, got {patch_size!r}")
