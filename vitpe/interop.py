@@ -7,7 +7,7 @@ from key names.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -19,16 +19,20 @@ from .vit import attend, compute_dtype, pin_traced_size, position_tokens
 __all__ = ["equip_timm_vit", "cpb_from_swinv2"]
 
 
-def _split_prefix_positions(pos: Tensor, n_cls: int, n_reg: int, no_embed_class: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Tensor]:
-    """timm's ``pos_embed`` ``(1, prefix + N, D)`` -> (cls position, register positions, patch positions).
+def fold_prefix_positions(pos: Tensor, tokens: Sequence[Optional[Tensor]], no_embed_class: bool = False) -> Tuple[List[Optional[Tensor]], Tensor]:
+    """timm's ``pos_embed`` ``(1, prefix + N, D)`` and its prefix tokens in timm's order (class, distillation, registers;
+    ``None`` where the model has none) -> (each token with its position slot added, the patch positions ``(1, N, D)``).
 
-    timm adds the prefix slots to the cls/register tokens; vitpe gives prefix tokens no position, so those
-    slots are folded into the tokens themselves (``None`` where timm has none to fold).
+    timm adds the prefix slots to the prefix tokens; vitpe gives prefix tokens no position, so those slots are folded
+    into the tokens themselves. ``no_embed_class`` (DeiT-III, big_vision): the table holds patches only.
     """
-    if no_embed_class or not n_cls + n_reg:
-        return None, None, pos
-    prefix = pos[:, : n_cls + n_reg]
-    return (prefix[:, :n_cls] if n_cls else None), (prefix[:, n_cls:] if n_reg else None), pos[:, n_cls + n_reg :]
+    if no_embed_class:
+        return list(tokens), pos
+    folded, start = [], 0
+    for t in tokens:
+        folded.append(None if t is None else t + pos[:, start : start + t.shape[1]])
+        start += 0 if t is None else t.shape[1]
+    return folded, pos[:, start:]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -140,12 +144,11 @@ def equip_timm_vit(
     old = model.pos_embed
     if old is not None:
         with torch.no_grad():
-            n_reg = 0 if model.reg_token is None else model.reg_token.shape[1]
-            cls_pos, reg_pos, patches = _split_prefix_positions(old, int(model.cls_token is not None), n_reg, model.no_embed_class)
-            if cls_pos is not None:
-                model.cls_token.add_(cls_pos)
-            if reg_pos is not None:
-                model.reg_token.add_(reg_pos)
+            prefix = (model.cls_token, model.reg_token)
+            folded, patches = fold_prefix_positions(old, prefix, model.no_embed_class)
+            for token, value in zip(prefix, folded):
+                if token is not None:
+                    token.copy_(value)
             if patches.shape[1] == ref[0] * ref[1]:
                 _load_pe_from_timm(pe, {"pos_embed": patches})
     model.pos_embed = None

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .coords import Size2
-from .interop import _unwrap
+from .interop import _unwrap, fold_prefix_positions
 from .vit import VisionTransformer
 
 __all__ = ["vit_from_timm", "timm_architecture", "timm_pos_embed", "convert_timm_state_dict", "load_timm_state_dict",
@@ -75,10 +75,8 @@ def _mlp_kind(mlp: nn.Module, problems: List[str]) -> Dict[str, Any]:
         return {}
     if kind is GluMlp and getattr(mlp, "chunk_dim", -1) != -1:
         problems.append("a GluMlp gated along another dimension")
-    out = dict(mlp_act=_act_kind(mlp.act, problems), mlp_gated=kind is not Mlp, mlp_norm=not _identity(mlp.norm))
-    hidden = mlp.fc2.in_features
-    out["mlp_hidden_dim"] = hidden
-    return out
+    return dict(mlp_act=_act_kind(mlp.act, problems), mlp_gated=kind is not Mlp, mlp_norm=not _identity(mlp.norm),
+                mlp_hidden_dim=mlp.fc2.in_features)
 
 
 def _attention(attn: nn.Module, problems: List[str]) -> Dict[str, Any]:
@@ -103,8 +101,7 @@ def _attention(attn: nn.Module, problems: List[str]) -> Dict[str, Any]:
 def timm_architecture(m: nn.Module) -> Dict[str, Any]:
     """``vitpe.VisionTransformer`` arguments for timm's ``VisionTransformer`` (ViT, DeiT, DeiT-III, distilled DeiT, CLIP,
     SigLIP, registers, res-post-norm), ``Eva`` (EVA-02, DINOv3, RoPE-ViT, Perception Encoder) or ``VisionTransformerRelPos``,
-    without the PE. Anything vitpe's ViT does
-    not have is collected and raised as one ``ValueError`` naming all of it."""
+    without the PE. Anything vitpe's ViT does not have is collected and raised as one ``ValueError`` naming all of it."""
     from timm.layers import PatchEmbed
     from timm.models.eva import Eva, EvaBlock
     from timm.models.vision_transformer import Block, ResPostBlock
@@ -117,8 +114,8 @@ def timm_architecture(m: nn.Module) -> Dict[str, Any]:
     problems: List[str] = []
     pe = m.patch_embed
     if type(pe) is not PatchEmbed or not isinstance(pe.proj, nn.Conv2d) or tuple(pe.proj.kernel_size) != tuple(pe.proj.stride):
-        problems.append(f"a {type(pe).__name__} stem (vitpe's is one patch convolution)")
-        raise ValueError(f"this timm model uses {problems[0]}, which vitpe.VisionTransformer does not have")
+        raise ValueError(f"this timm model uses a {type(pe).__name__} stem (vitpe's is one patch convolution), which "
+                         "vitpe.VisionTransformer does not have")
     patch = pe.patch_size
     if patch[0] != patch[1]:
         problems.append(f"non-square patches {patch}")
@@ -128,8 +125,8 @@ def timm_architecture(m: nn.Module) -> Dict[str, Any]:
     kinds = {type(b) for b in blocks}
     pre, post = {Block, EvaBlock, RelPosBlock}, {ResPostBlock, ResPostRelPosBlock}
     if kinds - pre - post or len(kinds) > 1:
-        problems.append(f"{', '.join(sorted(k.__name__ for k in kinds - pre))} blocks")
-        raise ValueError(f"this timm model uses {problems[-1]}, which vitpe.VisionTransformer does not have")
+        raise ValueError(f"this timm model uses {', '.join(sorted(k.__name__ for k in kinds - pre))} blocks, which "
+                         "vitpe.VisionTransformer does not have")
     blk = blocks[0]
     norm_layer, eps = _norm_kind(blk.norm1, "block norm", problems)
     eva = isinstance(m, Eva)
@@ -198,18 +195,16 @@ def _rope_layout(m: nn.Module, head_dim: int) -> Tuple[str, Dict[str, Any], str,
         if rope.in_pixels or getattr(rope, "grid_type", "index") != "index" or rope.linear_bands or rope.dim != head_dim:
             raise ValueError("this timm RotaryEmbeddingCat (pixel bands) has no vitpe equal; vitpe takes EVA-02's index bands")
         if rope.ref_feat_shape is None:  # RoPE-ViT's axial port: patch j at j + grid_offset at every size (extrapolated)
-            bands = rope.bands.double()
-            lo, hi = 2 * math.pi / float(bands[0]), 2 * math.pi / float(bands[-1])
-            opts = {"min_period": lo, "max_period": hi, "offset": float(rope.grid_offset)}
-            return "rope_axial", opts, "extrapolate", _pair_perm(head_dim, y_first=rope.grid_indexing == "ij", half=bool(rope.rotate_half))
-        feat, ref = tuple(m.patch_embed.grid_size), tuple(rope.ref_feat_shape)
-        stretch = {r / f for r, f in zip(ref, feat)}
-        if len(stretch) != 1:
-            raise ValueError(f"this timm RoPE stretches its {feat} grid onto {ref} unevenly; vitpe's rope_axial has one scale")
-        bands = rope.bands.double() * stretch.pop()  # radians per patch of the model's grid
-        lo, hi = 2 * math.pi / float(bands[0]), 2 * math.pi / float(bands[-1])
-        opts = {"min_period": lo, "max_period": hi, "offset": 0.5, "cell_offset": float(rope.grid_offset) - 0.5}
-        return "rope_axial", opts, "interpolate", _pair_perm(head_dim, y_first=rope.grid_indexing == "ij", half=bool(rope.rotate_half))
+            mode, scale, shift = "extrapolate", 1.0, {"offset": float(rope.grid_offset)}
+        else:
+            feat, ref = tuple(m.patch_embed.grid_size), tuple(rope.ref_feat_shape)
+            stretch = {r / f for r, f in zip(ref, feat)}
+            if len(stretch) != 1:
+                raise ValueError(f"this timm RoPE stretches its {feat} grid onto {ref} unevenly; vitpe's rope_axial has one scale")
+            mode, scale, shift = "interpolate", stretch.pop(), {"offset": 0.5, "cell_offset": float(rope.grid_offset) - 0.5}
+        bands = rope.bands.double() * scale  # radians per patch of the model's grid
+        opts = {"min_period": 2 * math.pi / float(bands[0]), "max_period": 2 * math.pi / float(bands[-1]), **shift}
+        return "rope_axial", opts, mode, _pair_perm(head_dim, y_first=rope.grid_indexing == "ij", half=bool(rope.rotate_half))
     raise ValueError(f"this timm model's rotary embedding ({type(rope).__name__}) has no vitpe equal yet; vitpe loads RoPE-Mixed, "
                      "DINOv3's and EVA-02's")
 
@@ -330,16 +325,9 @@ def split_timm_state_dict(sd: Dict[str, Tensor], num_prefix_tokens: int, no_embe
 
     out = convert_timm_state_dict({k: v for k, v in sd.items() if not positional(k)}, num_heads, perm)
     pe = {k: v for k, v in sd.items() if positional(k)}
-    pos = pe.get("pos_embed")
-    if pos is not None and not no_embed_class and num_prefix_tokens:
-        if pos.shape[1] > num_prefix_tokens:
-            start = 0
-            for name in prefix_tokens:  # timm's prefix order: class, distillation, registers
-                if name in out:
-                    n = out[name].shape[1]
-                    out[name] = out[name] + pos[:, start : start + n]
-                    start += n
-            pe["pos_embed"] = pos[:, num_prefix_tokens:]
+    if "pos_embed" in pe and num_prefix_tokens:
+        folded, pe["pos_embed"] = fold_prefix_positions(pe["pos_embed"], [out.get(n) for n in prefix_tokens], no_embed_class)
+        out.update({n: t for n, t in zip(prefix_tokens, folded) if t is not None})
     return out, pe
 
 
