@@ -66,9 +66,10 @@ def measure(name: str, seed: int = 0) -> Dict[str, object]:
         ours = vitpe.vit_from_timm(m)
     except (ValueError, CheckpointError) as e:
         return {**row, "status": "refused", "reason": str(e)}
-    h, w = m.patch_embed.img_size
-    p = m.patch_embed.patch_size[0]
-    x = torch.randn(2, m.patch_embed.proj.in_channels, h, w, generator=g)
+    # the model's own size: its patch grid's, or (NaFlexVit, whose table has its own grid) its default input's
+    h, w = m.patch_embed.img_size if hasattr(m, "patch_embed") else m.pretrained_cfg["input_size"][1:]
+    p = ours.patch_size
+    x = torch.randn(2, ours.patch_embed.in_channels, h, w, generator=g)
     with torch.no_grad():
         a, b = m.forward_features(x), ours.forward_features(x)
         row.update(pos_embed=ours.pos_embed.name, tokens_error=relative_error(b, a), output_error=relative_error(ours.forward_head(b), m.forward_head(a)))

@@ -8,7 +8,8 @@ if ! [ -x .venv-lowest/bin/python ]; then
   echo "setting up .venv-lowest (the versions in constraints-lowest.txt, ~5 GB, a few minutes)..." >&2
   "$PY" -m venv .venv-lowest
   .venv-lowest/bin/python -m pip install -q --upgrade pip
-  .venv-lowest/bin/python -m pip install -q -c constraints-lowest.txt -e '.[test]'
 fi
+# Every run, so that a floor added since the environment was built is installed too (quick when nothing changed).
+.venv-lowest/bin/python -m pip install -q -c constraints-lowest.txt -e '.[test]'
 .venv-lowest/bin/python -c "import torch, torchvision, timm; print(f'lowest: torch {torch.__version__}, torchvision {torchvision.__version__}, timm {timm.__version__}')"
 exec .venv-lowest/bin/python -m pytest -q "$@"

@@ -7,7 +7,7 @@ from conftest import ALL_PE
 import vitpe
 from vitpe.pos_embed import functional as PF
 
-FAMILIES = ["none", "sincos2d", "fourier", "fourier_learned", "learned", "rel_bias", "cpb", "fire", "lookhere", "alibi2d", "pape",
+FAMILIES = ["none", "sincos2d", "fourier", "fourier_learned", "learned", "factorized", "rel_bias", "cpb", "fire", "lookhere", "alibi2d", "pape",
             "rope_axial",
             "rope_mixed", "rope_golden", "string", "liere", "comrope", "peg"]
 
@@ -226,5 +226,20 @@ def test_learned_antialias_resizes_as_timm_does():
     for size in [(7, 9), (3, 4)]:
         expected = resample_abs_pos_embed(pe.table.flatten(2).transpose(1, 2), list(size), [4, 6], num_prefix_tokens=0)[0]
         torch.testing.assert_close(pe.tokens(vitpe.PatchGrid.create(size, (4, 6))), expected)
-    with pytest.raises(ValueError, match="needs plain interpolate-mode coordinates"):
+    with pytest.raises(ValueError, match="needs one plain interpolate-mode grid per batch; got coord mode extrapolate"):
         pe.tokens(vitpe.PatchGrid.create((7, 9), (4, 6), "extrapolate"))
+
+
+def test_learned_takes_the_other_resizes_timms_models_use():
+    """Bilinear (SigLIP), aligned corners (C-RADIOv3) and NaFlex's aspect-preserving square, each what F.interpolate gives."""
+    F = torch.nn.functional
+    for opts in [dict(mode="bilinear"), dict(mode="bilinear", align_corners=True), dict(square=True, antialias=True),
+                 dict(mode="bilinear", square=True, align_corners=True)]:
+        pe = vitpe.build_pos_embed("learned", dim=8, num_heads=2, ref_grid=(4, 6), **opts)
+        for size in [(7, 9), (3, 4), (5, 2)]:
+            out = max(size) if opts.get("square") else size
+            table = F.interpolate(pe.table, size=out, mode=opts.get("mode", "bicubic"), antialias=opts.get("antialias", False),
+                                  align_corners=opts.get("align_corners", False))[:, :, : size[0], : size[1]]
+            torch.testing.assert_close(pe.tokens(vitpe.PatchGrid.create(size, (4, 6))), table.flatten(2)[0].t(), msg=str((opts, size)))
+    with pytest.raises(ValueError, match="learned.mode must be 'bicubic' or 'bilinear', got 'nearest'"):
+        vitpe.build_pos_embed("learned", dim=8, num_heads=2, ref_grid=4, mode="nearest")

@@ -77,6 +77,50 @@ def test_timms_relative_position_vits_convert_and_meet_new_sizes_through_vitpes_
     assert y.shape == (1, t.num_classes) and torch.isfinite(y).all()
 
 
+NAFLEX = {  # NaFlexVit at a narrow width: its table on a 16x16 grid, timm's default input 384 px, so resized even there
+    "naflexvit_base_patch16_gap": "2D table, bicubic with antialiasing, registers, mean pool, fc_norm",
+    "naflexvit_base_patch16_par_gap": "2D table resized to a square of the longer side, read from the top left",
+    "naflexvit_base_patch16_parfac_gap": "factorized tables (NaViT), aspect-preserving",
+    "naflexvit_base_patch16_siglip": "bilinear table, attention pool",
+    "naflexvit_base_patch16_radio_v3": "C-RADIOv3: a 128x128 table shrunk bilinearly with aligned corners, class token",
+}
+
+
+@pytest.mark.parametrize("name", list(NAFLEX))
+def test_naflexvit_converts_with_its_linear_stem_and_its_tables_resized_as_timm_resizes_them(name):
+    if name not in timm.list_models(name):
+        pytest.skip(f"this timm ({timm.__version__}) has no {name}")
+    t = timm.create_model(name, pretrained=False, depth=2, embed_dim=96, num_heads=3).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in t.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    v = vitpe.vit_from_timm(t)
+    assert v.pos_embed.name == ("factorized" if "parfac" in name else "learned")
+    for hw in [(384, 384), (256, 256), (224, 320), (320, 176)]:  # timm's default, the table's own grid, wide, tall
+        x = torch.randn(2, 3, *hw, generator=g)
+        with torch.no_grad():
+            assert rel(v(x), t(x)) <= 1e-4, f"{NAFLEX[name]} at {hw}"
+
+
+def test_factorized_tables_are_navits_sum_of_per_axis_tables_resampled_linearly():
+    pe = vitpe.build_pos_embed("factorized", dim=8, num_heads=2, ref_grid=(4, 6))
+    y, x = pe.table_y.detach(), pe.table_x.detach()
+    assert torch.equal(pe.tokens(vitpe.PatchGrid.create((4, 6), (4, 6))), (y[:, None] + x[None, :]).reshape(24, 8))
+
+    def resized(t, n):
+        return torch.nn.functional.interpolate(t.t()[None], size=n, mode="linear", align_corners=False)[0].t()
+
+    want = (resized(y, 7)[:, None] + resized(x, 3)[None, :]).reshape(21, 8)
+    assert torch.allclose(pe.tokens(vitpe.PatchGrid.create((7, 3), (4, 6))), want, atol=1e-6)
+    sq = vitpe.build_pos_embed("factorized", dim=8, num_heads=2, ref_grid=(4, 6), square=True)
+    sq.load_state_dict(pe.state_dict())
+    want = (resized(y, 5)[:3, None] + resized(x, 5)[None, :5]).reshape(15, 8)  # a square of the longer side, its corner
+    assert torch.allclose(sq.tokens(vitpe.PatchGrid.create((3, 5), (4, 6))), want, atol=1e-6)
+    with pytest.raises(ValueError, match="needs one plain interpolate-mode grid"):
+        sq.tokens(vitpe.PatchGrid.create((3, 5), (4, 6), "extrapolate"))
+
+
 def test_a_converted_model_takes_vitpes_controls_at_new_sizes():
     t = perturbed("vit_small_patch16_dinov3")
     v = vitpe.vit_from_timm(t)
@@ -106,5 +150,5 @@ def test_timm_rope_pairs_become_vitpes_by_one_permutation_of_q_and_k():
 def test_what_vitpe_lacks_is_named_in_one_line():
     with pytest.raises(ValueError, match=r"^this timm model uses ParallelThingsBlock blocks, which vitpe.VisionTransformer does not have$"):
         vitpe.vit_from_timm(timm.create_model("vit_small_patch16_18x2_224", depth=1))
-    with pytest.raises(ValueError, match="not a NaFlexVit"):
-        vitpe.vit_from_timm(timm.create_model("naflexvit_base_patch16_gap", depth=1))
+    with pytest.raises(ValueError, match=r"^vit_from_timm takes timm's VisionTransformer, .* not a ResNet$"):
+        vitpe.vit_from_timm(timm.create_model("resnet18"))

@@ -14,6 +14,7 @@ import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
 
 from .coords import Size2
@@ -23,7 +24,7 @@ from .vit import VisionTransformer
 __all__ = ["vit_from_timm", "timm_architecture", "timm_pos_embed", "convert_timm_state_dict", "load_timm_state_dict",
            "split_timm_state_dict", "timm_to_vitpe_state_dict"]
 
-_PE_KEYS = ("pos_embed", "rope.freqs")  # timm's position weights, handed to the PE to take or leave
+_PE_KEYS = ("pos_embed", "pos_embed_y", "pos_embed_x", "rope.freqs")  # timm's position weights, handed to the PE to take or leave
 
 
 def _timm_layers(*names: str) -> Tuple[type, ...]:
@@ -98,29 +99,73 @@ def _attention(attn: nn.Module, problems: List[str]) -> Dict[str, Any]:
     return dict(qkv_bias=bias, qk_norm=not _identity(attn.q_norm), attn_norm=not _identity(getattr(attn, "norm", None)))
 
 
+def _timm_naflex() -> type:
+    """timm's NaFlexVit class (a class nothing is an instance of, in a timm without it)."""
+    try:
+        from timm.models.naflexvit import NaFlexVit
+    except ImportError:
+        return type("NaFlexVit", (), {})
+    return NaFlexVit
+
+
+def _patch_stem(m: nn.Module, problems: List[str]) -> Dict[str, Any]:
+    """The stem of timm's ViT, Eva and relpos models: one patch convolution, prefix tokens on the model."""
+    from timm.layers import PatchEmbed
+
+    pe = m.patch_embed
+    if type(pe) is not PatchEmbed or not isinstance(pe.proj, nn.Conv2d) or tuple(pe.proj.kernel_size) != tuple(pe.proj.stride):
+        raise ValueError(f"this timm model uses a {type(pe).__name__} stem (vitpe's is one patch convolution), which "
+                         "vitpe.VisionTransformer does not have")
+    if pe.patch_size[0] != pe.patch_size[1]:
+        problems.append(f"non-square patches {pe.patch_size}")
+    if not _identity(getattr(pe, "norm", None)):
+        problems.append("a norm in the patch embedding")
+    reg = getattr(m, "reg_token", None)
+    return dict(img_size=tuple(pe.img_size), patch_size=pe.patch_size[0], in_chans=pe.proj.in_channels, patch_bias=pe.proj.bias is not None,
+                class_token=m.cls_token is not None, num_reg_tokens=0 if reg is None else reg.shape[1])
+
+
+def _naflex_stem(m: nn.Module, problems: List[str]) -> Dict[str, Any]:
+    """NaFlexVit's stem (``m.embeds``): a linear map of each flattened patch (a patch convolution, reshaped) or a
+    convolution, its prefix tokens, and a position table on its own grid, which becomes vitpe's reference grid (its
+    ``img_size`` is that grid's pixels; timm's default input size is another grid, which the table is resized to)."""
+    e = m.embeds
+    if e.is_linear and e.norm_input is not None:
+        problems.append("a norm on the flattened patches")
+    if not _identity(e.norm):
+        problems.append("a norm in the patch embedding")
+    if e.dynamic_img_pad:
+        problems.append("padded images (dynamic_img_pad)")
+    if getattr(m, "rope", None) is not None:
+        problems.append("NaFlexVit's rotary embedding")
+    if e.patch_size[0] != e.patch_size[1]:
+        problems.append(f"non-square patches {e.patch_size}")
+    patch = e.patch_size[0]
+    if e.pos_embed_type == "none":
+        img = tuple(m.pretrained_cfg.get("input_size", (3, 224, 224))[1:])
+    else:
+        img = tuple(g * patch for g in e.pos_embed_grid_size)
+    reg = e.reg_token
+    in_chans = e.proj.in_features // (patch * patch) if e.is_linear else e.proj.in_channels
+    return dict(img_size=img, patch_size=patch, in_chans=in_chans, patch_bias=e.proj.bias is not None,
+                class_token=e.cls_token is not None, num_reg_tokens=0 if reg is None else reg.shape[1])
+
+
 def timm_architecture(m: nn.Module) -> Dict[str, Any]:
     """``vitpe.VisionTransformer`` arguments for timm's ``VisionTransformer`` (ViT, DeiT, DeiT-III, distilled DeiT, CLIP,
-    SigLIP, registers, res-post-norm), ``Eva`` (EVA-02, DINOv3, RoPE-ViT, Perception Encoder) or ``VisionTransformerRelPos``,
-    without the PE. Anything vitpe's ViT does not have is collected and raised as one ``ValueError`` naming all of it."""
-    from timm.layers import PatchEmbed
+    SigLIP, registers, res-post-norm), ``Eva`` (EVA-02, DINOv3, RoPE-ViT, Perception Encoder), ``VisionTransformerRelPos``
+    or ``NaFlexVit``, without the PE. Anything vitpe's ViT does not have is collected and raised as one ``ValueError`` naming all of it."""
     from timm.models.eva import Eva, EvaBlock
     from timm.models.vision_transformer import Block, ResPostBlock
     from timm.models.vision_transformer import VisionTransformer as TimmViT
     from timm.models.vision_transformer_relpos import RelPosBlock, ResPostRelPosBlock, VisionTransformerRelPos
 
-    if not isinstance(m, (TimmViT, Eva, VisionTransformerRelPos)):
-        raise ValueError(f"vit_from_timm takes timm's VisionTransformer, Eva and VisionTransformerRelPos models (vit_*, deit*, eva02*, "
-                         f"*dinov3*, vit_relpos_*), not a {type(m).__name__}")
+    NaFlexVit = _timm_naflex()
+    if not isinstance(m, (TimmViT, Eva, VisionTransformerRelPos, NaFlexVit)):
+        raise ValueError(f"vit_from_timm takes timm's VisionTransformer, Eva, VisionTransformerRelPos and NaFlexVit models (vit_*, deit*, "
+                         f"eva02*, *dinov3*, vit_relpos_*, naflexvit_*), not a {type(m).__name__}")
     problems: List[str] = []
-    pe = m.patch_embed
-    if type(pe) is not PatchEmbed or not isinstance(pe.proj, nn.Conv2d) or tuple(pe.proj.kernel_size) != tuple(pe.proj.stride):
-        raise ValueError(f"this timm model uses a {type(pe).__name__} stem (vitpe's is one patch convolution), which "
-                         "vitpe.VisionTransformer does not have")
-    patch = pe.patch_size
-    if patch[0] != patch[1]:
-        problems.append(f"non-square patches {patch}")
-    if not _identity(getattr(pe, "norm", None)):
-        problems.append("a norm in the patch embedding")
+    stem = _naflex_stem(m, problems) if isinstance(m, NaFlexVit) else _patch_stem(m, problems)
     blocks = list(m.blocks)
     kinds = {type(b) for b in blocks}
     pre, post = {Block, EvaBlock, RelPosBlock}, {ResPostBlock, ResPostRelPosBlock}
@@ -158,14 +203,13 @@ def timm_architecture(m: nn.Module) -> Dict[str, Any]:
         problems.append("distilled training mode (set_distilled_training(False) first)")
     if problems:
         raise ValueError(f"this timm model uses {', '.join(problems)}, which vitpe.VisionTransformer does not have")
-    reg = getattr(m, "reg_token", None)
+    # Eva's attention pool reads every token, timm's ViT's only the patches; NaFlexVit says which (pool_include_prefix)
+    pool_prefix = bool(getattr(m, "pool_include_prefix", False)) and pool in ("avg", "map") or eva and pool == "map"
     return dict(
-        img_size=tuple(pe.img_size), patch_size=patch[0], in_chans=pe.proj.in_channels, num_classes=m.num_classes,
-        embed_dim=m.embed_dim, depth=len(blocks), num_heads=blk.attn.num_heads, class_token=m.cls_token is not None,
-        num_reg_tokens=0 if reg is None else reg.shape[1], pool={"token": "cls", "avg": "mean"}.get(pool, pool),
-        pool_prefix=eva and pool == "map",  # Eva's attention pool reads every token, timm's ViT's only the patches
+        **stem, num_classes=m.num_classes, embed_dim=m.embed_dim, depth=len(blocks), num_heads=blk.attn.num_heads,
+        pool={"token": "cls", "avg": "mean"}.get(pool, pool), pool_prefix=pool_prefix,
         norm_eps=eps, norm_layer=norm_layer, init_values=1.0 if layer_scale else None,  # LayerScale's value is loaded
-        patch_bias=pe.proj.bias is not None, pre_norm=not _identity(norm_pre),
+        pre_norm=not _identity(norm_pre),
         final_norm="tokens" if not _identity(norm) else "pooled" if not _identity(fc_norm) else "none", distilled=distilled,
         pool_heads=attn_pool.num_heads if attn_pool is not None else None, post_norm=bool(kinds & post),
         **attn, **mlp,
@@ -180,6 +224,7 @@ def _rope_layout(m: nn.Module, head_dim: int) -> Tuple[str, Dict[str, Any], str,
 
     rope = m.rope
     nb = head_dim // 4
+    half = bool(getattr(rope, "rotate_half", False))  # an older timm (1.0.20) has interleaved pairs only, and no flag
     if isinstance(rope, RotaryEmbeddingDinoV3):
         # DINOv3: patch centres in [-1, 1] per axis (vitpe's normalize mode); y bands first, pairs (i, i + hd/2).
         if rope.normalize_coords != "separate" or rope.grid_offset or rope.grid_indexing != "ij" or rope.dim != head_dim:
@@ -188,11 +233,11 @@ def _rope_layout(m: nn.Module, head_dim: int) -> Tuple[str, Dict[str, Any], str,
             lo, hi = float(rope.min_period), float(rope.max_period)
         else:  # periods temperature^(k / nb), k = 0 .. nb-1
             lo, hi = 1.0, float(rope.temperature) ** ((nb - 1) / nb)
-        return "rope_axial", {"min_period": lo, "max_period": hi}, "normalize", _pair_perm(head_dim, y_first=True, half=bool(rope.rotate_half))
+        return "rope_axial", {"min_period": lo, "max_period": hi}, "normalize", _pair_perm(head_dim, y_first=True, half=half)
     if isinstance(rope, RotaryEmbeddingCat):
         # EVA-02 / Perception Encoder: patch j at (j + grid_offset) * ref / n, n patches stretched onto ref_feat_shape; in
         # vitpe's interpolate coordinates u (frequencies scaled by ref/feat) that is u + 0.5 + (grid_offset - 0.5) * spacing.
-        if rope.in_pixels or getattr(rope, "grid_type", "index") != "index" or rope.linear_bands or rope.dim != head_dim:
+        if rope.in_pixels or getattr(rope, "grid_type", "index") != "index" or getattr(rope, "linear_bands", False) or rope.dim != head_dim:
             raise ValueError("this timm RotaryEmbeddingCat (pixel bands) has no vitpe equal; vitpe takes EVA-02's index bands")
         if rope.ref_feat_shape is None:  # RoPE-ViT's axial port: patch j at j + grid_offset at every size (extrapolated)
             mode, scale, shift = "extrapolate", 1.0, {"offset": float(rope.grid_offset)}
@@ -204,7 +249,7 @@ def _rope_layout(m: nn.Module, head_dim: int) -> Tuple[str, Dict[str, Any], str,
             mode, scale, shift = "interpolate", stretch.pop(), {"offset": 0.5, "cell_offset": float(rope.grid_offset) - 0.5}
         bands = rope.bands.double() * scale  # radians per patch of the model's grid
         opts = {"min_period": 2 * math.pi / float(bands[0]), "max_period": 2 * math.pi / float(bands[-1]), **shift}
-        return "rope_axial", opts, mode, _pair_perm(head_dim, y_first=rope.grid_indexing == "ij", half=bool(rope.rotate_half))
+        return "rope_axial", opts, mode, _pair_perm(head_dim, y_first=rope.grid_indexing == "ij", half=half)
     raise ValueError(f"this timm model's rotary embedding ({type(rope).__name__}) has no vitpe equal yet; vitpe loads RoPE-Mixed, "
                      "DINOv3's and EVA-02's")
 
@@ -215,12 +260,55 @@ def _relpos(m: nn.Module, relpos: nn.Module) -> Tuple[str, Dict[str, Any]]:
     the MLP at the new grid's offsets (interpolated: in the model's patches)."""
     from timm.layers.pos_embed_rel import RelPosMlp
 
-    if not isinstance(relpos, RelPosMlp) or relpos.mode != "cr":
-        raise ValueError(f"this timm model's relative position ({type(relpos).__name__}, mode {getattr(relpos, 'mode', '?')!r}) has no "
+    if not isinstance(relpos, RelPosMlp) or _relpos_mode(relpos) != "cr":
+        raise ValueError(f"this timm model's relative position ({type(relpos).__name__}, mode {_relpos_mode(relpos)!r}) has no "
                          "vitpe equal; vitpe takes timm's 'cr' MLP (vit_relpos_*)")
     per_layer = getattr(m, "shared_rel_pos", None) is None
     opts = dict(hidden_dim=relpos.mlp.fc1.out_features, spacing="log", squash=False, out_bias=relpos.mlp.fc2.bias is not None, per_layer=per_layer)
     return "cpb", opts
+
+
+def _naflex_pos_embed(e: nn.Module) -> Tuple[str, Dict[str, Any], Optional[str], Optional[Tensor]]:
+    """NaFlexVit's tables, resized as timm resizes them for an image batch: the 2D table with its kernel, antialiasing,
+    corners and aspect-preserving square; the factorized tables linearly (aspect-preserving too, where set)."""
+    if e.pos_embed_type == "none":
+        return "none", {}, None, None
+    square = bool(e.pos_embed_ar_preserving)
+    if e.pos_embed_type == "factorized":
+        return "factorized", {"square": square}, "interpolate", None
+    if e.pos_embed_interp_mode not in ("bicubic", "bilinear"):
+        raise ValueError(f"this NaFlexVit resizes its table with {e.pos_embed_interp_mode!r}; vitpe's learned table takes bicubic and bilinear")
+    # an older timm (1.0.20) names neither option: it always antialiased, never aligned corners
+    opts = dict(mode=e.pos_embed_interp_mode, antialias=bool(getattr(e, "pos_embed_antialias", True)),
+                align_corners=bool(getattr(e, "pos_embed_align_corners", False)), square=square)
+    return "learned", opts, "interpolate", None
+
+
+def _naflex_state_dict(m: nn.Module) -> Dict[str, Tensor]:
+    """NaFlexVit's weights under timm's ViT names: the stem's tokens and tables out of ``embeds``, and its linear map of
+    flattened patches (``(ph, pw, C)`` or ``(C, ph, pw)`` order) as the patch convolution it is."""
+    e, out = m.embeds, {}
+    for k, v in m.state_dict().items():
+        if k.startswith("embeds."):
+            k = k[len("embeds."):]
+            k = "patch_embed." + k if k.startswith("proj.") else k
+        out[k] = v
+    if e.is_linear:
+        p, w = e.patch_size, out["patch_embed.proj.weight"]
+        layout = "d (ph pw c) -> d c ph pw" if getattr(e, "channels_last", True) else "d (c ph pw) -> d c ph pw"  # (ph, pw, C) before timm named it
+        out["patch_embed.proj.weight"] = rearrange(w, layout, ph=p[0], pw=p[1])
+    return out
+
+
+def _relpos_mode(relpos: nn.Module) -> str:
+    """A RelPosMlp's mode; an older timm (1.0.20) keeps none, so the coordinates it made say whether they are the "cr" form."""
+    mode = getattr(relpos, "mode", None)
+    if mode is None and hasattr(relpos, "rel_coords_log"):
+        from timm.layers.pos_embed_rel import gen_relative_log_coords
+
+        cr = gen_relative_log_coords(relpos.window_size, mode="cr").to(relpos.rel_coords_log)
+        mode = "cr" if relpos.bias_gain is None and torch.equal(relpos.rel_coords_log, cr) else "swin or rw"
+    return mode or "unknown"
 
 
 def _pair_perm(head_dim: int, y_first: bool, half: bool) -> Tensor:
@@ -240,6 +328,8 @@ def timm_pos_embed(m: nn.Module) -> Tuple[str, Dict[str, Any], Optional[str], Op
     and ``eval.py --coord-mode`` move it; RoPE-ViT's two parts keep the two frames its reference evaluates in."""
     from timm.layers import RotaryEmbeddingMixed
 
+    if isinstance(m, _timm_naflex()):
+        return _naflex_pos_embed(m.embeds)
     rope = getattr(m, "rope", None)
     ape = getattr(m, "pos_embed", None) is not None
     relpos = getattr(m, "shared_rel_pos", None) or getattr(m.blocks[0].attn, "rel_pos", None)
@@ -362,8 +452,9 @@ def vit_from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
     """A ``vitpe.VisionTransformer`` with the same architecture, weights and function as a timm model, at its size and,
     through vitpe's coordinates, at any other (docs/timm.md lists which timm models convert, and how each meets new sizes).
 
-    Takes timm's ``VisionTransformer`` (ViT, DeiT, DeiT-III, distilled DeiT, CLIP, SigLIP, register tokens) and ``Eva``
-    (EVA-02, DINOv2/DINOv3 with registers, RoPE-ViT, Perception Encoder). Its position weights become the vitpe PE that
+    Takes timm's ``VisionTransformer`` (ViT, DeiT, DeiT-III, distilled DeiT, CLIP, SigLIP, register tokens), ``Eva``
+    (EVA-02, DINOv2/DINOv3 with registers, RoPE-ViT, Perception Encoder), ``VisionTransformerRelPos`` and ``NaFlexVit``
+    (its 2D or factorized table, resized as timm resizes it for an image batch). Its position weights become the vitpe PE that
     computes them: a learned table (resized with timm's antialiasing; ``pos_embed_kwargs={"learned.antialias": False}``
     gives the papers' plain bicubic), RoPE-Mixed (extrapolated, as RoPE-ViT evaluates), DINOv3's RoPE (``rope_axial`` in
     normalize mode), EVA-02's (``rope_axial`` in interpolate mode). ``pos_embed=...`` among ``overrides`` swaps in another
@@ -383,5 +474,7 @@ def vit_from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
         perm = None  # another PE: timm's channel order stays as trained
     args.update(overrides)
     model = VisionTransformer(**args)
-    load_timm_state_dict(model, m.state_dict(), no_embed_class=getattr(m, "no_embed_class", False), perm=perm)
+    naflex = isinstance(m, _timm_naflex())  # its table holds the patches only
+    sd = _naflex_state_dict(m) if naflex else m.state_dict()
+    load_timm_state_dict(model, sd, no_embed_class=naflex or getattr(m, "no_embed_class", False), perm=perm)
     return model.to(next(m.parameters()).device).eval()

@@ -11,10 +11,10 @@ from torch.nn.init import trunc_normal_
 
 from ..coords import PatchGrid, Size2, patch_units
 from .base import PosEmbed
-from .functional import fourier_features, sincos_2d
+from .functional import fourier_features, resize_table, sample_line, sincos_2d
 from .registry import register_pos_embed
 
-__all__ = ["NoPosEmbed", "SinCos2d", "FourierPosEmbed", "LearnedFourierPosEmbed", "LearnedPosEmbed"]
+__all__ = ["NoPosEmbed", "SinCos2d", "FourierPosEmbed", "LearnedFourierPosEmbed", "LearnedPosEmbed", "FactorizedPosEmbed"]
 
 
 @register_pos_embed("none")
@@ -101,41 +101,50 @@ class LearnedFourierPosEmbed(PosEmbed):
         return self.mlp(fourier_features(coords, self.freqs) * self.scale)
 
 
+def _need_plain_grid(grid: PatchGrid, why: str) -> None:
+    if grid.batched or grid.mode not in ("interpolate", "normalize") or grid.affine is not None:
+        aug = " with augmentation" if grid.affine is not None else ""
+        raise ValueError(f"{why} (timm's resample), which needs one plain interpolate-mode grid per batch; got coord mode "
+                         f"{grid.mode}{aug}{' per image' if grid.batched else ''}")
+
+
 @register_pos_embed("learned")
 class LearnedPosEmbed(PosEmbed):
     """Learned absolute table at the reference grid (ViT, Dosovitskiy et al. 2021), sampled bicubically at
     other coordinates, the continuous form of timm's ``resample_abs_pos_embed``. Positions beyond the table
     (extrapolate mode) take the border value: a learned table knows nothing past what it was trained on.
 
-    ``antialias=True`` resizes the table as timm does by default (``F.interpolate(bicubic, antialias=True)``,
-    which is another bicubic kernel even when upsampling); the papers' code (ViT, DeiT, RoPE-ViT) does not.
-    It resizes to a whole grid, so it needs plain interpolate-mode coordinates.
+    ``mode`` is the resampling kernel (``"bicubic"`` or ``"bilinear"``, as SigLIP and RADIO resize theirs).
+    Three options resize the table to a whole grid as timm does, so they need plain interpolate-mode coordinates:
+    ``antialias=True`` (timm's default ``F.interpolate(..., antialias=True)``, another bicubic kernel even when
+    upsampling; the papers' code, ViT, DeiT and RoPE-ViT, does not), ``align_corners=True`` (the corner patches on the
+    table's corners, C-RADIOv3) and ``square=True`` (NaFlex's aspect-preserving resize: the table resized to a square
+    of the grid's longer side, the grid reading its top-left corner, so a patch keeps its place whatever the shape).
     """
 
     acts_on = "tokens"
 
-    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, std: float = 0.02, antialias: bool = False) -> None:
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, std: float = 0.02, antialias: bool = False,
+                 mode: str = "bicubic", align_corners: bool = False, square: bool = False) -> None:
         super().__init__(dim, num_heads, ref_grid, depth)
+        if mode not in ("bicubic", "bilinear"):
+            raise ValueError(f"learned.mode must be 'bicubic' or 'bilinear', got {mode!r}")
         self.table = nn.Parameter(torch.zeros(1, dim, *self.ref_grid))  # (1, dim, h, w)
         trunc_normal_(self.table, std=std)
-        self.antialias = bool(antialias)
+        self.antialias, self.mode, self.align_corners, self.square = bool(antialias), mode, bool(align_corners), bool(square)
 
     def tokens(self, grid: PatchGrid) -> Tensor:
         if grid.is_reference:
             return self.table.flatten(2)[0].t()  # (N, dim): exactly the trained table
-        if self.antialias:
-            if grid.batched or grid.mode not in ("interpolate", "normalize") or grid.affine is not None:
-                raise ValueError(
-                    "learned.antialias=True resizes the table to the whole grid (timm's resample), which needs plain "
-                    f"interpolate-mode coordinates; got coord mode {grid.mode} {'with augmentation' if grid.affine else ''}".rstrip()
-                )
-            return F.interpolate(self.table, size=grid.size, mode="bicubic", antialias=True, align_corners=False).flatten(2)[0].t()
+        if self.antialias or self.align_corners or self.square:
+            _need_plain_grid(grid, "learned.antialias, learned.align_corners and learned.square resize the table to the whole grid")
+            return resize_table(self.table, grid.size, self.mode, self.antialias, self.align_corners, self.square).flatten(2)[0].t()
         rh, rw = self.ref_grid
         c = patch_units(grid.coords.to(self.table.device), grid)  # (..., N, 2)
         # grid_sample(align_corners=False) puts pixel j's centre at normalised (2j + 1) / size - 1.
         norm = torch.stack([(2 * c[..., 0] + 1) / rw - 1, (2 * c[..., 1] + 1) / rh - 1], dim=-1)
         out = F.grid_sample(
-            self.table, norm.reshape(1, 1, -1, 2).to(self.table.dtype), mode="bicubic", padding_mode="border", align_corners=False
+            self.table, norm.reshape(1, 1, -1, 2).to(self.table.dtype), mode=self.mode, padding_mode="border", align_corners=False
         )  # (1, dim, 1, *N)
         return out[0, :, 0].t().reshape(*c.shape[:-1], self.dim)
 
@@ -145,6 +154,46 @@ class LearnedPosEmbed(PosEmbed):
         if pos is None:
             return {}
         h, w = self.ref_grid
+        if tuple(pos.shape) == (1, h, w, self.dim):  # NaFlexVit keeps its table as a grid
+            return {"table": rearrange(pos, "1 h w d -> 1 d h w")}
         if tuple(pos.shape) != (1, h * w, self.dim):
             raise ValueError(f"timm pos_embed {tuple(pos.shape)} does not fit a learned table of {h}x{w} positions and dim {self.dim}")
         return {"table": rearrange(pos, "1 (h w) d -> 1 d h w", h=h)}
+
+
+@register_pos_embed("factorized")
+class FactorizedPosEmbed(PosEmbed):
+    """Factorized learned tables (NaViT, Dehghani et al. 2023; timm's NaFlexVit ``pos_embed='factorized'``): one table
+    per axis, a patch's encoding the sum of its row's and its column's entries, ``h + w`` vectors instead of ``h w``.
+    Other coordinates are sampled linearly in each table (timm's ``F.interpolate(mode="linear")``); beyond a table, its
+    border value. ``square=True`` is NaFlex's aspect-preserving resize: both axes scaled by the grid's longer side, so
+    a patch keeps its place whatever the shape (needs one plain interpolate-mode grid per batch)."""
+
+    acts_on = "tokens"
+
+    def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, std: float = 0.02, square: bool = False) -> None:
+        super().__init__(dim, num_heads, ref_grid, depth)
+        h, w = self.ref_grid
+        self.table_y, self.table_x = nn.Parameter(torch.zeros(h, dim)), nn.Parameter(torch.zeros(w, dim))
+        trunc_normal_(self.table_y, std=std)
+        trunc_normal_(self.table_x, std=std)
+        self.square = bool(square)
+
+    def tokens(self, grid: PatchGrid) -> Tensor:
+        c = patch_units(grid.coords.to(self.table_x.device), grid)  # (..., N, 2) in table entries
+        if self.square:
+            _need_plain_grid(grid, "factorized.square scales both axes by the grid's longer side")
+            h, w = grid.size
+            # (c + 1/2) n / ref is the patch index + 1/2; on a table resized to the longer side L it lies at (j + 1/2) ref / L.
+            n = torch.tensor([w / max(h, w), h / max(h, w)], device=c.device, dtype=c.dtype)
+            c = (c + 0.5) * n - 0.5
+        return sample_line(self.table_y, c[..., 1]) + sample_line(self.table_x, c[..., 0])
+
+    def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """NaFlexVit's ``pos_embed_y`` ``(1, h, dim)`` and ``pos_embed_x`` ``(1, w, dim)`` become the two tables."""
+        if "pos_embed_y" not in weights:
+            return {}
+        y, x = weights["pos_embed_y"][0], weights["pos_embed_x"][0]
+        if (y.shape[0], x.shape[0]) != tuple(self.ref_grid) or y.shape[1] != self.dim:
+            raise ValueError(f"timm's factorized tables {tuple(y.shape)} and {tuple(x.shape)} do not fit a {self.ref_grid} grid of dim {self.dim}")
+        return {"table_y": y, "table_x": x}

@@ -31,6 +31,8 @@ __all__ = [
     "lattice_offsets",
     "log_spaced",
     "sample_bias_table",
+    "resize_table",
+    "sample_line",
     "period_rope_freqs",
     "golden_directions",
     "golden_rope_freqs",
@@ -205,6 +207,27 @@ def sample_bias_table(table: Tensor, offsets: Tensor, ref: Tuple[int, int], mode
     grid = torch.stack([gx, gy], dim=-1).reshape(1, 1, -1, 2).to(img.dtype)
     out = F.grid_sample(img, grid, mode=mode, padding_mode="border", align_corners=True)  # (1, H, 1, M)
     return out[0, :, 0].t().reshape(*offsets.shape[:-1], -1)
+
+
+def resize_table(table: Tensor, size: Tuple[int, int], mode: str = "bicubic", antialias: bool = False,
+                 align_corners: bool = False, square: bool = False) -> Tensor:
+    """A learned table ``(1, dim, h, w)`` resized to the grid ``size`` as timm resizes it (``F.interpolate``, so its
+    antialiasing and corner conventions). ``square``: resized to a square of the longer side, then its top-left
+    ``size`` corner (NaFlex's aspect-preserving resize, patches keep their place whatever the shape)."""
+    out_size = (max(size),) * 2 if square else tuple(size)
+    out = F.interpolate(table.float(), size=out_size, mode=mode, antialias=antialias, align_corners=align_corners)
+    return out[:, :, : size[0], : size[1]].to(table.dtype)
+
+
+def sample_line(table: Tensor, pos: Tensor) -> Tensor:
+    """Linear interpolation in a 1D table ``(L, dim)`` at continuous positions ``pos`` ``(...)`` in table entries,
+    border values beyond it (``F.interpolate(mode="linear")``'s kernel; NaViT's factorized tables). Returns ``(..., dim)``."""
+    n = table.shape[0]
+    p = pos.to(table.dtype).clamp(0, n - 1)
+    lo = p.floor().clamp(max=max(n - 2, 0))
+    w = (p - lo).unsqueeze(-1)
+    i = lo.long()
+    return table[i] * (1 - w) + table[(i + 1).clamp(max=n - 1)] * w
 
 
 # ---- rotary frequencies of the 2024-26 families, and their extrapolation controls ------------------------------
