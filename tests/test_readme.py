@@ -46,6 +46,7 @@ CHEAP = [
     "python -m vitpe.viz similarity --pe rope_mixed --grid 16 --query 8 8",
     "python -m vitpe.viz similarity --checkpoint runs/A --grid 16",
     "python -m vitpe.viz attention-distance runs/A runs/B --resolutions 32 64",
+    "python -m vitpe.export runs/A --onnx runs/A/model.onnx --hf runs/A/hf --check",
 ]
 
 

@@ -66,6 +66,8 @@ def to_2tuple(size: Size2, what: str = "size") -> Tuple[int, int]:
     """``8 -> (8, 8)``; ``(h, w) -> (h, w)``; anything else is a ``ValueError``."""
     if isinstance(size, int) and not isinstance(size, bool):
         out = (size, size)
+    elif isinstance(size, (tuple, list, torch.Size)) and len(size) == 2 and traced(size):
+        return tuple(size)  # an exported graph's sizes (torch.onnx) stay in the graph: int() would freeze them
     elif isinstance(size, (tuple, list, torch.Size)) and len(size) == 2:
         out = (int(size[0]), int(size[1]))
     else:
@@ -73,6 +75,19 @@ def to_2tuple(size: Size2, what: str = "size") -> Tuple[int, int]:
     if min(out) < 1:
         raise ValueError(f"{what} must be positive, got {out}")
     return out
+
+
+def traced(values: Sequence[object]) -> bool:
+    """True while torch.onnx traces a model and ``values`` are sizes read from its input (0-dim tensors there)."""
+    return torch.jit.is_tracing() and any(isinstance(v, Tensor) for v in values)
+
+
+def pair(a: Union[int, float, Tensor], b: Union[int, float, Tensor], device: Optional[torch.device] = None,
+         dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``(2,)`` tensor ``[a, b]`` of two numbers, or of two traced sizes, which then stay in an exported graph."""
+    if traced((a, b)):
+        return torch.stack([torch.as_tensor(v, device=device) for v in (a, b)]).to(dtype or torch.int64)
+    return torch.tensor([a, b], device=device, dtype=dtype)
 
 
 def snap(size: float, multiple: int) -> int:
@@ -111,7 +126,7 @@ def grid_coords(
     """
     h, w = to_2tuple(grid_size, "grid_size")
     ref = (h, w) if ref_grid is None else to_2tuple(ref_grid, "ref_grid")
-    return cell_coords(grid_cells((h, w), device), torch.tensor([w, h], device=device), ref, mode, dtype)
+    return cell_coords(grid_cells((h, w), device), pair(w, h, device=device), ref, mode, dtype)
 
 
 def grid_cells(grid_size: Size2, device: Optional[torch.device] = None) -> Tensor:
@@ -206,6 +221,8 @@ class PatchGrid:
         size = to_2tuple(grid_size, "grid_size")
         ref = size if ref_grid is None else to_2tuple(ref_grid, "ref_grid")
         coords = grid_coords(size, ref, mode, device=device)
+        if traced(size):  # an exported graph: no lattice shortcut or cache key computed from one size's numbers
+            return cls(size, ref, coords, None, None, mode)
         spacing = (_spacing(size[1], ref[1], mode), _spacing(size[0], ref[0], mode))
         key = (size, ref, mode, coords.device)
         return cls(size, ref, coords, spacing, key, mode)
@@ -231,11 +248,22 @@ class PatchGrid:
         The normaliser of FIRE, and the length ratio that RoPE's extrapolation controls read. Coordinates given
         directly (no mode) span ``(n - 1)`` spacings of an ``n``-patch axis, so their extent is ``span * n / (n - 1)``."""
         if self.mode is None:
-            n = torch.tensor([self.size[1], self.size[0]], device=self.coords.device, dtype=torch.float32)
+            n = pair(self.size[1], self.size[0], device=self.coords.device, dtype=torch.float32)
             span = self.coords.amax(0) - self.coords.amin(0)
             return torch.where(n > 1, span * n / (n - 1).clamp(min=1), torch.ones_like(n))
-        return _extent(torch.tensor([self.size[1], self.size[0]], device=self.coords.device), self.ref, self.mode,
+        return _extent(pair(self.size[1], self.size[0], device=self.coords.device), self.ref, self.mode,
                        None if self.affine is None else torch.tensor(self.affine[:2], device=self.coords.device))
+
+    def step(self) -> Optional[Tensor]:
+        """``(2,)`` ``(sx, sy)``: the distance between neighbouring patch centres of a regular grid, as a tensor (also
+        in an exported graph, whose grids keep no ``spacing`` numbers); ``None`` for coordinates given directly."""
+        if self.spacing is not None:
+            return torch.tensor(self.spacing, dtype=torch.float32)
+        if self.mode is None or self.affine is not None:
+            return None
+        unit = torch.tensor([[0, 0], [1, 1]], device=self.coords.device)
+        c = cell_coords(unit, pair(self.size[1], self.size[0], device=self.coords.device), self.ref, self.mode)
+        return c[1] - c[0]
 
     def transformed(self, sx: float, sy: float, tx: float, ty: float) -> "PatchGrid":
         """Scale by ``(sx, sy)`` about the grid centre, then shift by ``(tx, ty)``: still a lattice, not cached."""

@@ -101,6 +101,9 @@ class LearnedFourierPosEmbed(PosEmbed):
         return self.mlp(fourier_features(coords, self.freqs) * self.scale)
 
 
+_SQUARE_REFUSAL = "{}.square takes the grid's longer side, a choice made per size outside the graph"
+
+
 def _need_plain_grid(grid: PatchGrid, why: str) -> None:
     if grid.batched or grid.mode not in ("interpolate", "normalize") or grid.affine is not None:
         aug = " with augmentation" if grid.affine is not None else ""
@@ -148,6 +151,9 @@ class LearnedPosEmbed(PosEmbed):
         )  # (1, dim, 1, *N)
         return out[0, :, 0].t().reshape(*c.shape[:-1], self.dim)
 
+    def onnx_refusal(self) -> Optional[str]:
+        return _SQUARE_REFUSAL.format("learned") if self.square else None
+
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """timm's ``pos_embed`` (ViT, DeiT, RoPE-ViT "+APE") becomes the table."""
         pos = weights.get("pos_embed")
@@ -188,6 +194,9 @@ class FactorizedPosEmbed(PosEmbed):
             n = torch.tensor([w / max(h, w), h / max(h, w)], device=c.device, dtype=c.dtype)
             c = (c + 0.5) * n - 0.5
         return sample_line(self.table_y, c[..., 1]) + sample_line(self.table_x, c[..., 0])
+
+    def onnx_refusal(self) -> Optional[str]:
+        return _SQUARE_REFUSAL.format("factorized") if self.square else None
 
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """NaFlexVit's ``pos_embed_y`` ``(1, h, dim)`` and ``pos_embed_x`` ``(1, w, dim)`` become the two tables."""

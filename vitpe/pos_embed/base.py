@@ -283,6 +283,11 @@ class PosEmbed(nn.Module):
         block's attention input ``x`` ``(B, N, dim)``: their product adds to the logits (``None``: no such term)."""
         return None
 
+    def onnx_refusal(self) -> Optional[str]:
+        """Why this encoding cannot go into an ONNX graph that takes any input size (``None``: it can; vitpe.export_onnx
+        refuses with this line): an operator ONNX lacks, or a choice made per size outside the graph."""
+        return None
+
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """The entries of this PE's state dict that a timm model's PE weights give (``{}``: none; the PE then
         keeps its own). ``weights`` uses timm's names: ``pos_embed`` ``(1, h*w, D)`` (patch positions only),
@@ -377,7 +382,7 @@ class PosEmbed(nn.Module):
             if magnitude is not None:
                 m = _per_token(magnitude, grid.batched, extra=1).to(dtype)
                 ctx.cos, ctx.sin = ctx.cos * m, ctx.sin * m
-            if dtype in (torch.float32, torch.float64):
+            if dtype in (torch.float32, torch.float64) and not torch.onnx.is_in_onnx_export():  # ONNX has no complex numbers
                 ctx.rot = torch.complex(ctx.cos, ctx.sin)
         return ctx
 

@@ -80,15 +80,24 @@ def _offsets_and_index(pe: PosEmbed, grid: PatchGrid) -> Tuple[Tensor, Tensor | 
     lattices (:func:`_row_lattices`), with one index per row. For irregular coordinates every pair is evaluated
     (``index`` is None): ``(..., N, N, 2)``.
     """
-    if grid.spacing is None:
+    spacing = grid.spacing
+    if spacing is None and isinstance(grid, PatchGrid):  # an exported graph's grid: a lattice, its spacing computed there
+        step = grid.step()
+        spacing = None if step is None else tuple(step.to(grid.coords.device).unbind())
+    if spacing is None:
         lattices = _row_lattices(grid)
         return lattices if lattices is not None else (patch_units(relative_offsets(grid.coords), grid, offsets=True), None)
 
     def build():
-        offsets = patch_units(lattice_offsets(grid.size, grid.spacing, grid.coords.device), grid, offsets=True)
+        offsets = patch_units(lattice_offsets(grid.size, spacing, grid.coords.device), grid, offsets=True)
         return offsets, relative_position_index(grid.size).to(grid.coords.device)
 
     return pe.memo(grid, "lattice", build)
+
+
+def heads_first(values: Tensor) -> Tensor:
+    """``(..., N, N, H)`` -> ``(..., H, N, N)``: ``movedim(-1, -3)`` as two transposes, which torch.onnx exports right."""
+    return values.transpose(-1, -2).transpose(-2, -3)
 
 
 def _spread(values: Tensor, index: Tensor | None) -> Tensor:
@@ -98,7 +107,7 @@ def _spread(values: Tensor, index: Tensor | None) -> Tensor:
         values = values[torch.arange(index.shape[0], device=index.device)[:, None, None], index]  # (B, N, N, H)
     elif index is not None:
         values = values.flatten(0, 1)[index]  # (N, N, H)
-    return values.movedim(-1, -3)
+    return heads_first(values)
 
 
 @register_pos_embed("rel_bias")
@@ -303,7 +312,7 @@ class LookHere(PosEmbed):
                 values = values[:, torch.arange(index.shape[0], device=index.device)[:, None, None], index]  # (L, B, N, N, H)
             elif index is not None:
                 values = values.flatten(1, 2)[:, index]  # (L, N, N, H)
-            return values.movedim(-1, -3)  # (L, [B], H, N, N)
+            return heads_first(values)  # (L, [B], H, N, N)
 
         return self.memo(grid, "bias", build)
 

@@ -7,7 +7,7 @@ with columns ``(x, y)`` (see ``vitpe.grid_coords``): one grid ``(N, 2)`` shared 
 from __future__ import annotations
 
 import math
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,7 @@ __all__ = [
     "log_spaced",
     "sample_bias_table",
     "resize_table",
+    "antialias_weights",
     "sample_line",
     "period_rope_freqs",
     "golden_directions",
@@ -215,8 +216,28 @@ def resize_table(table: Tensor, size: Tuple[int, int], mode: str = "bicubic", an
     antialiasing and corner conventions). ``square``: resized to a square of the longer side, then its top-left
     ``size`` corner (NaFlex's aspect-preserving resize, patches keep their place whatever the shape)."""
     out_size = (max(size),) * 2 if square else tuple(size)
-    out = F.interpolate(table.float(), size=out_size, mode=mode, antialias=antialias, align_corners=align_corners)
+    if antialias and torch.onnx.is_in_onnx_export():  # ONNX has no antialiased resize: the same weights, as two products
+        ry, rx = (antialias_weights(n, m, mode, table.device) for n, m in zip(out_size, table.shape[-2:]))
+        out = torch.einsum("yh,bdhw,xw->bdyx", ry, table.float(), rx)
+    else:
+        out = F.interpolate(table.float(), size=out_size, mode=mode, antialias=antialias, align_corners=align_corners)
     return out[:, :, : size[0], : size[1]].to(table.dtype)
+
+
+def antialias_weights(n_out: int, n_in: int, mode: str = "bicubic", device: Optional[torch.device] = None) -> Tensor:
+    """``(n_out, n_in)`` weights of ``F.interpolate(..., antialias=True)`` along one axis (PIL's filters: Keys' cubic
+    with ``a = -0.5``, or the triangle, stretched by the scale when shrinking, each row normalised to 1). Zero outside a
+    filter's support, so the dense matrix is the windowed sum PyTorch computes, in ops an exported graph has."""
+    i = torch.arange(n_out, device=device, dtype=torch.float32)
+    j = torch.arange(n_in, device=device, dtype=torch.float32)
+    scale = torch.as_tensor(n_in / n_out, dtype=torch.float32, device=device)
+    x = ((j + 0.5)[None, :] - (i + 0.5)[:, None] * scale) / scale.clamp(min=1.0)
+    a = x.abs()
+    if mode == "bilinear":
+        w = (1 - a).clamp(min=0)
+    else:
+        w = torch.where(a < 1, (1.5 * a - 2.5) * a * a + 1, torch.where(a < 2, ((a - 5) * a + 8) * a * -0.5 + 2.0, torch.zeros_like(a)))
+    return w / w.sum(1, keepdim=True)
 
 
 def sample_line(table: Tensor, pos: Tensor) -> Tensor:
@@ -323,7 +344,7 @@ def p_rope_keep(freqs: Tensor, fraction: float) -> Tensor:
     if not 0 <= fraction <= 1:
         raise ValueError(f"p_rope must be a fraction in [0, 1], got {fraction}")
     mag = freqs.norm(dim=0)  # (*F, P)
-    n = int(round(fraction * mag.shape[-1]))
+    n = int(round(fraction * int(mag.shape[-1])))  # int(): a traced size in an exported graph, fixed there
     keep = torch.ones_like(mag)
     if n:
         keep.scatter_(-1, mag.argsort(-1)[..., :n], 0.0)
@@ -449,7 +470,7 @@ def parabolic_terms(positions: Tensor, a: Tensor, b: Tensor) -> Tuple[Tensor, Te
     ``(..., N, P)``, the features ``q_e = [sum a (-p^2), a, 2 a p, sum b p, b]`` and ``k_e = [1, -p^2, p, 1, -p]``
     (``3 P + 2`` each) give ``q_e . k_e = sum_k -a_k (p_q - p_k)^2 + b_k (p_q - p_k)``: a parabola in each projected
     offset, opening downwards, whose curvature and slope the query's content chooses."""
-    ones = torch.ones_like(positions[..., :1])
+    ones = positions[..., :1].pow(0)  # ones, shaped by the positions in an exported graph too (ones_like freezes there)
     square = positions.pow(2)
     q = torch.cat([(a * -square).sum(-1, keepdim=True), a, 2 * a * positions, (b * positions).sum(-1, keepdim=True), b], -1)
     k = torch.cat([ones, -square, positions, ones, -positions], -1)

@@ -57,6 +57,9 @@ class MatrixRotary(PosEmbed):
     cost_note = ("rotates by dense products of a learned matrix per token, head and layer (training about 0.85x of no PE); "
                  "those rotation tables hold depth x heads x tokens x head_dim x block_size numbers per grid")
 
+    def onnx_refusal(self) -> Optional[str]:
+        return "its rotations are matrix exponentials of the coordinates (torch.linalg.matrix_exp), which ONNX has no operator for"
+
     def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, block_size: int = 8,
                  init_std: Optional[float] = None, per_layer: bool = True, scaling: str = "none") -> None:
         super().__init__(dim, num_heads, ref_grid, depth)

@@ -44,9 +44,9 @@ class PaPE(PosEmbed):
         h, k = self.num_heads, self.parabolas
         proj = self.position[layer]
         p = proj(patch_units(grid.coords.to(proj.weight), grid))  # ([B], N, H P)
-        p = p.unflatten(-1, (h, k)).movedim(-2, -3)  # ([B], H, N, P)
+        p = p.unflatten(-1, (h, k)).transpose(-2, -3)  # ([B], H, N, P)
         ab = self.coefficients[layer](x).unflatten(-1, (2, h, k)).permute(2, 0, 3, 1, 4)  # (2, B, H, N, P)
-        return parabolic_terms(p.expand_as(ab[0]), F.softplus(ab[0]), ab[1])
+        return parabolic_terms(p, F.softplus(ab[0]), ab[1])  # p broadcasts over the batch; the keys' features are expanded with them
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", parabolas={self.parabolas}"

@@ -143,6 +143,9 @@ class CombinedPosEmbed(PosEmbed):
     def condition_layers(self) -> FrozenSet[int]:
         return frozenset().union(*(p.condition_layers() for p in self.parts))
 
+    def onnx_refusal(self) -> Optional[str]:
+        return next((f"its part {p.name}: {why}" for p in self.parts if (why := p.onnx_refusal())), None)
+
     def _build_context(self, grid: PatchGrid, num_prefix: int, dtype: torch.dtype) -> PosContext:
         return PosContext.merge([p.context(grid, num_prefix, dtype) for p in self.parts])
 

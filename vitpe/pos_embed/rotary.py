@@ -7,7 +7,7 @@ from typing import Dict, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ..coords import PatchGrid, Size2, reference_extent
+from ..coords import PatchGrid, Size2, pair, reference_extent
 from .base import PEOption, PosEmbed
 from .functional import (
     ROPE_SCALINGS,
@@ -39,7 +39,7 @@ def length_ratio(pe: PosEmbed, grid: PatchGrid) -> Optional[Tensor]:
     ref = reference_extent(pe.ref_grid, grid.mode)
     if grid.batched:
         return grid.sizes.float() / ref.to(grid.sizes.device)
-    return torch.tensor([grid.size[1], grid.size[0]], dtype=torch.float32) / ref
+    return pair(grid.size[1], grid.size[0], dtype=torch.float32) / ref
 
 
 class RotaryPosEmbed(PosEmbed):
@@ -125,10 +125,11 @@ class RotaryPosEmbed(PosEmbed):
     def _shift(self, grid: PatchGrid) -> Union[float, Tensor]:
         if not self.cell_offset:
             return self.offset
-        if grid.spacing is None:
+        step = grid.step() if isinstance(grid, PatchGrid) else None
+        if step is None:
             raise ValueError(f"{self.name} with cell_offset={self.cell_offset} measures patches from their corner, which needs a "
                              "regular grid: per-image or augmented coordinates have none (set cell_offset=0 to train with them)")
-        return self.offset + self.cell_offset * torch.tensor(grid.spacing, dtype=torch.float32)
+        return self.offset + self.cell_offset * step
 
     def rope_angles(self, grid: PatchGrid) -> Tensor:
         if any(p.requires_grad for p in self.parameters()):
@@ -228,3 +229,6 @@ class RopeString(RotaryPosEmbed):
 
     def rope_mix(self) -> Tensor:
         return cayley(skew(self.generator))  # (H, hd, hd), orthogonal
+
+    def onnx_refusal(self) -> Optional[str]:
+        return "its Cayley transform solves a linear system (torch.linalg.solve), which ONNX has no operator for"

@@ -1,0 +1,109 @@
+"""vitpe.export_onnx: one ONNX graph for every input size, checked with onnxruntime against PyTorch at sizes it was not
+traced at; every family exports or says in one line why not; python -m vitpe.export writes ONNX and timm's layout."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ALL_PE
+
+import vitpe
+from vitpe import training as train_script
+from vitpe.export import main as export_main
+
+pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+SIZES = [(32, 24), (48, 64), (20, 12)]  # the training size, larger and wider, smaller and narrower (traced at 36x32)
+
+
+def model(pe, **kw):
+    torch.manual_seed(0)
+    m = vitpe.VisionTransformer(img_size=(32, 24), patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5, pos_embed=pe,
+                                num_reg_tokens=1, **kw).eval()
+    with torch.no_grad():  # every weight matters, zero-initialised tables and heads included
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return m
+
+
+@pytest.mark.parametrize("pe", ALL_PE)
+def test_every_family_exports_a_graph_for_any_size_or_says_why_not(pe, tmp_path):
+    m = model(pe)
+    why = vitpe.export.onnx_refusal(m)
+    if why:
+        with pytest.raises(ValueError, match=f"^the '{re.escape(pe)}' PE cannot be exported to ONNX: .*, which ONNX has no operator for$"):
+            vitpe.export_onnx(m, tmp_path / "m.onnx")
+        assert not (tmp_path / "m.onnx").exists()
+        return
+    path = vitpe.export_onnx(m, tmp_path / "m.onnx")
+    graph = onnx.load(str(path)).graph
+    dims = [d.dim_param or d.dim_value for d in graph.input[0].type.tensor_type.shape.dim]
+    assert dims == ["batch", 3, "height", "width"]
+    assert not any("omplex" in n.op_type for n in graph.node)  # rotations are real-valued
+    errors = vitpe.onnx_errors(m, path, SIZES)
+    assert max(errors.values()) <= 1e-4, errors
+
+
+@pytest.mark.parametrize("pe,kw", [
+    ("learned", {"coord_mode": "extrapolate"}),
+    ("rel_bias", {"coord_mode": "normalize"}),
+    ("rope_axial", {"coord_mode": "extend", "pos_embed_kwargs": {"scaling": "yarn", "p_rope": 0.25}}),
+    ("rope_mixed", {"coord_mode": "extrapolate", "pos_embed_kwargs": {"scaling": "ntk"}}),
+    ("learned", {"pos_embed_kwargs": {"antialias": True}, "pool": "mean"}),  # timm's resize, antialiased, in plain ops
+    ("sincos2d", {"pool": "map", "class_token": False}),
+])
+def test_coordinate_modes_rope_controls_and_heads_export_as_they_run(pe, kw, tmp_path):
+    m = model(pe, **kw)
+    errors = vitpe.onnx_errors(m, vitpe.export_onnx(m, tmp_path / "m.onnx"), SIZES + [(64, 24)])
+    assert max(errors.values()) <= 1e-4, errors
+
+
+def test_converted_timm_models_export_at_any_size(tmp_path):
+    timm = pytest.importorskip("timm")
+    for name in ("deit_tiny_patch16_224", "eva02_tiny_patch14_224"):  # an antialiased table; EVA's RoPE from patch corners
+        v = vitpe.vit_from_timm(timm.create_model(name, pretrained=False, depth=1).eval())
+        (h, w), p = v.img_size, v.patch_size
+        errors = vitpe.onnx_errors(v, vitpe.export_onnx(v, tmp_path / f"{name}.onnx"), [(h, w), (h + 2 * p, w + 4 * p)], batch=1)
+        assert max(errors.values()) <= 1e-4, (name, errors)
+
+
+def test_export_never_overwrites_silently_and_refuses_in_one_line(tmp_path):
+    m = model("sincos2d")
+    path = vitpe.export_onnx(m, tmp_path / "m.onnx")
+    before = path.read_bytes()
+    with pytest.raises(FileExistsError, match="exists; pass overwrite=True"):
+        vitpe.export_onnx(m, path)
+    assert path.read_bytes() == before and m.training is False
+    vitpe.export_onnx(m.train(), path, overwrite=True)
+    assert m.training  # exported in eval mode, handed back as it came
+    with pytest.raises(FileNotFoundError, match="folder .* does not exist"):
+        vitpe.export_onnx(m, tmp_path / "nowhere" / "m.onnx")
+    with pytest.raises(ValueError, match="takes a vitpe.VisionTransformer"):
+        vitpe.export_onnx(torch.nn.Linear(2, 2), tmp_path / "x.onnx")
+    with pytest.raises(ValueError, match="^the 'learned' PE .*learned.square takes the grid's longer side"):
+        vitpe.export_onnx(model("learned", pos_embed_kwargs={"square": True}), tmp_path / "sq.onnx")
+
+
+def test_the_export_command_writes_onnx_and_timms_layout_from_a_run_with_the_weights_named(tmp_path, capsys):
+    from vitpe.checkpoint import model_from_checkpoint
+
+    assert train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "run", "--epochs", "1",
+                              "--set", "train.ema_decay=0.5"]) == 0
+    run = tmp_path / "run"
+    assert export_main([str(run), "--onnx", str(tmp_path / "ema.onnx"), "--hf", str(tmp_path / "hf"), "--check", "16x16", "24x32"]) == 0
+    out = capsys.readouterr().out
+    assert "EMA weights" in out and "onnxruntime at 24x32: relative difference" in out
+    assert export_main([str(run), "--onnx", str(tmp_path / "raw.onnx"), "--raw"]) == 0
+    ema, _ = model_from_checkpoint(run, ema=True)
+    raw, _ = model_from_checkpoint(run, ema=False)
+    for weights, name in ((ema, "ema.onnx"), (raw, "raw.onnx")):
+        assert max(vitpe.onnx_errors(weights, tmp_path / name, [(16, 16), (24, 32)]).values()) <= 1e-4
+    x = torch.randn(2, 3, 24, 32)
+    with torch.no_grad():
+        assert torch.equal(vitpe.from_pretrained(tmp_path / "hf")(x), ema(x))
+    assert export_main([str(run), "--onnx", str(tmp_path / "ema.onnx")]) == 2  # exists: kept, one line
+    assert "exists; pass overwrite=True (--overwrite)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        export_main([str(run)])  # nothing asked for

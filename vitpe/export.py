@@ -1,0 +1,153 @@
+"""Ship a vitpe model: an ONNX graph that takes any input size, and timm's file layout.
+
+:func:`export_onnx` writes a graph whose batch, height and width are free: the patch grid, its coordinates, the PE's
+tables, biases and rotations (real-valued: ONNX has no complex numbers) are computed inside the graph from the input's
+shape, so one file serves every resolution, as the model does. :func:`onnx_errors` runs the file with onnxruntime
+against the model. The command line does both, and timm's layout (:func:`vitpe.save_pretrained`), for a trained run::
+
+    python -m vitpe.export runs/main --onnx model.onnx          # EMA weights if the run kept them
+    python -m vitpe.export runs/main --hf shared/ --raw         # the raw weights, for timm.create_model / the hub
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import warnings
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .checkpoint import CheckpointError, model_from_checkpoint
+from .vit import VisionTransformer
+
+__all__ = ["export_onnx", "onnx_errors", "onnx_refusal", "ONNX_OPSET"]
+
+ONNX_OPSET = 17  # LayerNormalization's; GridSample (learned tables at new sizes) needs 16
+
+
+def onnx_refusal(model: VisionTransformer) -> Optional[str]:
+    """Why ``model`` cannot be exported to an any-size ONNX graph, in one line (``None``: it can)."""
+    if not isinstance(model, VisionTransformer):
+        return f"export_onnx takes a vitpe.VisionTransformer (vitpe.vit_from_timm converts timm's), not a {type(model).__name__}"
+    why = model.pos_embed.onnx_refusal()
+    return None if why is None else f"the {model.pos_embed.name!r} PE cannot be exported to ONNX: {why}"
+
+
+def _example_size(model: VisionTransformer) -> Tuple[int, int]:
+    """The input traced: one and two patches past the reference grid, so that no shortcut taken only at the reference
+    grid or on a square one is what the graph records."""
+    (h, w), p = model.ref_grid, model.patch_size
+    return (h + 1) * p, (w + 2) * p
+
+
+def export_onnx(model: VisionTransformer, path: Union[str, Path], *, opset: int = ONNX_OPSET, overwrite: bool = False) -> Path:
+    """Write ``model`` as an ONNX graph at ``path``: input ``images`` ``(batch, channels, height, width)`` with batch,
+    height and width free (any multiple of the patch size), output ``logits`` ``(batch, classes)``; the model's
+    coordinate mode and PE options as they are now. The file is written whole or not at all; an existing one is kept
+    unless ``overwrite=True``. A PE that cannot be exported (an operator ONNX lacks) raises ``ValueError`` in one line.
+    Image batches only: packed and per-image-coordinate inputs stay in PyTorch."""
+    why = onnx_refusal(model)
+    if why:
+        raise ValueError(why)
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it, or choose another path")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: folder {path.parent} does not exist")
+    x = torch.zeros(1, model.in_chans, *_example_size(model), device=next(model.parameters()).device)
+    buffer, was_training = io.BytesIO(), model.training
+    model.eval()
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            # the tracer warns at every size it reads; the graph keeps them symbolic (tests check three sizes)
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, (x,), buffer, dynamo=False, opset_version=opset, input_names=["images"],
+                              output_names=["logits"], dynamic_axes={"images": {0: "batch", 2: "height", 3: "width"},
+                                                                     "logits": {0: "batch"}})
+    except ModuleNotFoundError as e:  # torch.onnx's own needs (onnx, onnxscript in some torch builds)
+        raise ImportError(f"exporting to ONNX needs the {e.name} package: pip install 'vitpe[onnx]'") from None
+    finally:
+        model.train(was_training)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(buffer.getvalue())
+    tmp.replace(path)
+    return path
+
+
+def onnx_errors(model: VisionTransformer, path: Union[str, Path], sizes: Sequence[Tuple[int, int]], batch: int = 2,
+                seed: int = 0) -> Dict[Tuple[int, int], float]:
+    """Relative difference ``max |onnx - torch| / max |torch|`` of the logits, per input size, on random images: the
+    check that an exported graph computes what the model computes at sizes it was not traced at (needs onnxruntime)."""
+    try:
+        import onnxruntime
+    except ImportError:
+        raise ImportError("checking an ONNX file needs onnxruntime: pip install onnxruntime (or vitpe's test extra)") from None
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    g = torch.Generator().manual_seed(seed)
+    out, was_training = {}, model.training
+    model.eval()
+    try:
+        for h, w in sizes:
+            x = torch.randn(batch, model.in_chans, h, w, generator=g)
+            with torch.no_grad():
+                want = model(x.to(next(model.parameters()).device)).float().cpu()
+            got = torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
+            out[(h, w)] = float((got - want).abs().max() / want.abs().max().clamp(min=1e-12))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m vitpe.export", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("::", 1)[1])
+    p.add_argument("run", help="a run directory or its checkpoint.pt")
+    p.add_argument("--onnx", metavar="PATH", help="write an ONNX graph that takes any input size")
+    p.add_argument("--hf", metavar="DIR", help="write timm's layout (config.json + model.safetensors), for timm and the hub")
+    p.add_argument("--raw", action="store_true", help="the raw weights even if the run kept an EMA (default: the EMA's)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing file or folder")
+    p.add_argument("--check", metavar="HxW", nargs="*", default=None,
+                   help="with --onnx: run the file with onnxruntime at these sizes (default: the training size, 1.5x, 2x)")
+    args = p.parse_args(argv)
+    if not args.onnx and not args.hf:
+        p.error("say what to write: --onnx PATH, --hf DIR, or both")
+    try:
+        model, state = model_from_checkpoint(args.run, ema=not args.raw)
+        weights = "raw" if args.raw or state.get("ema") is None else "EMA"
+        if args.onnx:
+            path = export_onnx(model, args.onnx, overwrite=args.overwrite)
+            print(f"wrote {path} ({weights} weights; any height and width that are multiples of {model.patch_size})")
+            if args.check is not None:
+                sizes = [_parse_size(s) for s in args.check] or _default_sizes(model)
+                for (h, w), err in onnx_errors(model, path, sizes).items():
+                    print(f"  onnxruntime at {h}x{w}: relative difference {err:.1e} from PyTorch")
+        if args.hf:
+            from .pretrained import save_pretrained
+
+            folder = save_pretrained(model, args.hf, overwrite=args.overwrite)
+            print(f"wrote {folder} ({weights} weights): vitpe.from_pretrained or timm.create_model('vitpe_vit', pretrained=True, ...)")
+    except (ValueError, CheckpointError, FileExistsError, FileNotFoundError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _parse_size(text: str) -> Tuple[int, int]:
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--check sizes look like 48x64, got {text!r}") from None
+    return h, w
+
+
+def _default_sizes(model: VisionTransformer) -> Sequence[Tuple[int, int]]:
+    from .coords import snap
+
+    h, w = model.img_size
+    return [(h, w)] + [(snap(h * s, model.patch_size), snap(w * s, model.patch_size)) for s in (1.5, 2)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
