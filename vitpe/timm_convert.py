@@ -247,7 +247,12 @@ def _rope_layout(m: nn.Module, head_dim: int) -> Tuple[str, Dict[str, Any], str,
             if len(stretch) != 1:
                 raise ValueError(f"this timm RoPE stretches its {feat} grid onto {ref} unevenly; vitpe's rope_axial has one scale")
             mode, scale, shift = "interpolate", stretch.pop(), {"offset": 0.5, "cell_offset": float(rope.grid_offset) - 0.5}
-        bands = rope.bands.double() * scale  # radians per patch of the model's grid
+        bands = rope.bands
+        if bands is None:  # an older timm (1.0.20) keeps only the sin/cos table of a fixed-size model: its bands again
+            from timm.layers.pos_embed_sincos import freq_bands
+
+            bands = freq_bands(head_dim // 4, temperature=rope.temperature, step=1)
+        bands = bands.double() * scale  # radians per patch of the model's grid
         opts = {"min_period": 2 * math.pi / float(bands[0]), "max_period": 2 * math.pi / float(bands[-1]), **shift}
         return "rope_axial", opts, mode, _pair_perm(head_dim, y_first=rope.grid_indexing == "ij", half=half)
     raise ValueError(f"this timm model's rotary embedding ({type(rope).__name__}) has no vitpe equal yet; vitpe loads RoPE-Mixed, "

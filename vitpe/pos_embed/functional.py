@@ -64,6 +64,8 @@ def sincos_1d(pos: Tensor, dim: int, base: float = 10000.0) -> Tensor:
         raise ValueError(f"sincos_1d needs an even dim, got {dim}")
     omega = base ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float64) / dim)  # (dim/2,)
     phase = pos.to(torch.float64)[..., None] * omega  # (..., N, dim/2)
+    if torch.onnx.is_in_onnx_export():  # onnxruntime before 1.24 has no float64 sin/cos: the angles, then float32 trig
+        phase = phase.float()
     out = torch.stack([phase.sin(), phase.cos()], dim=-1).flatten(-2)  # interleave: sin, cos, sin, cos
     return out.to(pos.dtype if pos.is_floating_point() else torch.float32)
 
