@@ -243,3 +243,15 @@ def test_learned_takes_the_other_resizes_timms_models_use():
             torch.testing.assert_close(pe.tokens(vitpe.PatchGrid.create(size, (4, 6))), table.flatten(2)[0].t(), msg=str((opts, size)))
     with pytest.raises(ValueError, match="learned.mode must be 'bicubic' or 'bilinear', got 'nearest'"):
         vitpe.build_pos_embed("learned", dim=8, num_heads=2, ref_grid=4, mode="nearest")
+
+
+def test_antialias_weights_are_pytorchs_antialiased_resize_as_a_matrix():
+    """What an exported graph uses for timm's antialiased table resize (ONNX has no such operator): the same weights."""
+    from vitpe.pos_embed.functional import antialias_weights
+
+    F = torch.nn.functional
+    t = torch.randn(1, 3, 7, 9)
+    for mode in ("bicubic", "bilinear"):
+        for size in [(14, 18), (3, 4), (7, 9), (10, 5)]:  # larger, smaller, the same, and both at once
+            got = torch.einsum("yh,bdhw,xw->bdyx", antialias_weights(size[0], 7, mode), t, antialias_weights(size[1], 9, mode))
+            torch.testing.assert_close(got, F.interpolate(t, size=size, mode=mode, antialias=True), atol=2e-6, rtol=1e-5)
