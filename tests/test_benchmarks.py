@@ -692,3 +692,6 @@ def test_field_transfer_smoke(tmp_path):
     assert "| sincos2d | field | 1 |" in table and "| none | plain | 1 |" in table
     assert study.main(["--smoke", "--out", str(tmp_path), "--families", "sincos2d", "none"]) == 0
     assert [str(r) for r in study.load_results(tmp_path)] == [str(r) for r in rows]  # (nan: a run too short for a last fifth)
+    assert not (tmp_path / "gratings.png").exists()  # a study's rows rewrite the table only; the figure is --report's
+    assert study.main(["--report", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "gratings.png").stat().st_size > 10_000 and (tmp_path / "table.md").read_text() == table
