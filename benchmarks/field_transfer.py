@@ -219,14 +219,15 @@ def plot(rows: List[Dict], data: str, out: Path) -> Optional[Path]:
         ax.axvline(1.0, color="grey", lw=0.8, ls=":")
         ax.axhline(10.0, color="grey", lw=0.8, ls="--")  # both datasets have 10 classes
         ax.annotate("chance", (SCALES[-1], 10.0), xytext=(-2, 2), textcoords="offset points", fontsize=7, color="grey", ha="right")
-        ax.set_title(f"{recipe} recipe, coordinate route ({seeds} seed{'s' if seeds > 1 else ''})", fontsize=9)
+        ax.set_title(f"{recipe} recipe, coordinate route (up to {seeds} seed{'s' if seeds > 1 else ''} a family)", fontsize=9)
         ax.set_xlabel(f"test size / training size ({size} px)")
         ax.set_ylim(0, 101)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower left")
     axes[0][0].set_ylabel("top-1 accuracy (%), mean over seeds")
+    handles, names = axes[0][0].get_legend_handles_labels()  # one legend under the panels, off the lines
+    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 5), fontsize=8, frameon=False)
     fig.suptitle(f"{data}: trained at {size} px, measured at other sizes", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     path = out / f"{data}.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -17,6 +17,9 @@ them apart on the test split, each cell against the same model at 1x:
   scale was the loss; still at the ``sx`` level: the grid was.
 - ``(s/2)x, pooled sx render``: the pooled images themselves at ``(s/2)x``, the control for what pooling changes.
 
+And where the images go at ``sx``: for each class that loses, the class most of its images are taken for there (a
+class read as another at the new scale, say a grating's cycles per patch, shows as a systematic shift).
+
 Results go to OUT/scale_probe.json (every run and scale probed into it so far; a run probed again replaces its own
 entry) and OUT/scale_probe.md.
 """
@@ -38,6 +41,7 @@ from torch import Tensor
 
 from vitpe.checkpoint import CheckpointError, checkpoint_config, find_checkpoint, model_from_checkpoint
 from vitpe.coords import COORD_MODES, PatchGrid
+from vitpe.data.augment import normalize
 from vitpe.engine import evaluate
 from vitpe.evaluation import dataset_of
 
@@ -66,6 +70,28 @@ def pooled_tokens(model, factor: int) -> Iterator[None]:
     finally:
         pre.remove()
         post.remove()
+
+
+@torch.no_grad()
+def confusion(model, images: Tensor, labels: Tensor, mean, std, classes: int, batch_size: int = 250) -> Tensor:
+    """``(classes, classes)`` counts of (true class, predicted class) of ``model`` on ``images``."""
+    counts = torch.zeros(classes * classes, dtype=torch.long)
+    for s in range(0, len(labels), batch_size):
+        pred = model(normalize(images[s : s + batch_size], mean, std)).argmax(1)
+        counts += torch.bincount(labels[s : s + batch_size] * classes + pred, minlength=classes * classes)
+    return counts.view(classes, classes)
+
+
+def shifts(at_1x: Tensor, at_sx: Tensor, names) -> List[Dict]:
+    """Each class whose top-1 falls at ``sx``: its top-1 at 1x and ``sx`` and the class most of its images go to."""
+    out = []
+    for c, (one, big) in enumerate(zip(at_1x, at_sx)):
+        t1, ts = one[c].item() / max(one.sum().item(), 1), big[c].item() / max(big.sum().item(), 1)
+        if ts < t1:
+            to = int(big.argmax())
+            out.append({"class": names[c], "top1_1x": t1, "top1_sx": ts, "goes_to": names[to],
+                        "share": big[to].item() / max(big.sum().item(), 1)})
+    return out
 
 
 def label(s: float) -> str:
@@ -111,10 +137,13 @@ def probe(run: Path, scale: int, test_size: int, coord_mode: str) -> Dict:
             measure(f"{label(scale)} grid, {label(half)} content", big)
         measure(f"{label(half)}, pooled {label(scale)} render", F.avg_pool2d(big.float(), 2).round().to(torch.uint8))
     base = cells[0][1]
+    n_cls = len(ds.classes)
+    moved = shifts(confusion(model, at(1)[0], labels, ds.mean, ds.std, n_cls), confusion(model, big, labels, ds.mean, ds.std, n_cls),
+                   ds.classes)
     return {"run": str(run.relative_to(ROOT) if run.is_relative_to(ROOT) else run), "pos_embed": cfg.model.pos_embed,
             "resolution_range": cfg.train.resolution_range, "train_size": size, "epochs": int(state["epoch"]),
             "scale": scale, "coord_mode": coord_mode, "n": len(labels),
-            "cells": [{"cell": name, "top1": t, "change": t - base} for name, t in cells]}
+            "cells": [{"cell": name, "top1": t, "change": t - base} for name, t in cells], "shifts": moved}
 
 
 def markdown(results: List[Dict]) -> str:
@@ -126,6 +155,11 @@ def markdown(results: List[Dict]) -> str:
         lines += [f"## `{r['pos_embed']}`{sizes}, {r['scale']}x, {r['coord_mode']} ({r['run']}, {r['epochs']} epochs, n={r['n']})", "",
                   "| cell | top-1 | change |", "| --- | ---: | ---: |"]
         lines += [f"| {c['cell']} | {100 * c['top1']:.1f}% | {100 * c['change']:+.1f} |" for c in r["cells"]]
+        if r.get("shifts"):  # (results probed before the shifts were recorded have none)
+            lines += ["", f"Where each class that loses goes at {r['scale']}x:", "",
+                      f"| class | top-1 at 1x | top-1 at {r['scale']}x | most taken for | share |", "| --- | ---: | ---: | --- | ---: |"]
+            lines += [f"| {m['class']} | {100 * m['top1_1x']:.1f}% | {100 * m['top1_sx']:.1f}% | {m['goes_to']} | {100 * m['share']:.0f}% |"
+                      for m in r["shifts"]]
         lines.append("")
     return "\n".join(lines)
 
