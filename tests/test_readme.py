@@ -146,6 +146,22 @@ def test_resolution_transfer_report_tables_are_the_record():
         assert "\n".join(table) in report, data
 
 
+def test_field_transfer_report_is_the_record(tmp_path):
+    """docs/field_transfer.md shows the table `--report` makes of the committed record, and the probe's table of
+    where each class goes, as `scale_probe.py` writes it from its committed result: a typed-in number fails here."""
+    ft, probe = load_benchmark("field_transfer"), load_benchmark("scale_probe")
+    out = ROOT / "docs" / "field_transfer"
+    page = (ROOT / "docs" / "field_transfer.md").read_text()
+    table = (out / "table.md").read_text()
+    ft.report(ft.load_results(out), tmp_path)
+    assert (tmp_path / "table.md").read_text() == table, "docs/field_transfer/table.md is stale: run benchmarks/field_transfer.py --report"
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(rows) >= 2 + 14 and all(line in page for line in rows)
+    results = json.loads((out / "scale_probe.json").read_text())
+    shown = [line for line in probe.markdown(results).splitlines() if line.startswith("| ") and "cycles" in line]
+    assert shown and sum(line in page for line in shown) >= 8
+
+
 def test_the_main_jobs_printed_lines_are_its_measured_reference():
     """The README's main-job output is seed 0 of the recorded measurement (vitpe/reference_runs.json, the entry of
     configs/shapes.yaml's recipe): its top-1, and the comparison without a PE that every run of the recipe prints."""
