@@ -179,13 +179,15 @@ def cell(values: List[float], signed: bool = True) -> str:
 
 def series_of(rows: List[Dict], data: str, family: Optional[str], recipe: str, route: str, mode: str) -> List[Tuple[float, float]]:
     """(scale, top-1 % averaged over seeds) of one family (or, for ``None``, every family) on one route and mode."""
+    def on(r_route: str, r_mode: str) -> List[Dict]:
+        return [r for r in rows if (r["data"], r["recipe"], r["route"], r["coord_mode"]) == (data, recipe, r_route, r_mode)
+                and family in (None, r["pos_embed"])]
+
     at: Dict[float, List[float]] = {}
-    for r in rows:
-        if (r["data"], r["recipe"], r["route"], r["coord_mode"]) == (data, recipe, route, mode) and family in (None, r["pos_embed"]):
-            at.setdefault(round(r["scale"], 2), []).append(100 * r["top1"])
+    for r in on(route, mode):
+        at.setdefault(round(r["scale"], 2), []).append(100 * r["top1"])
     if route == "resize":  # the baseline at 1x is the model itself
-        at.setdefault(1.0, [100 * r["top1"] for r in rows if (r["data"], r["recipe"], r["route"], r["coord_mode"]) ==
-                            (data, recipe, "coords", "interpolate") and family in (None, r["pos_embed"]) and abs(r["scale"] - 1) < 0.05])
+        at.setdefault(1.0, [100 * r["top1"] for r in on("coords", "interpolate") if abs(r["scale"] - 1) < 0.05])
     return sorted((s, statistics.fmean(v)) for s, v in at.items() if v)
 
 

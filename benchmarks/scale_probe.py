@@ -41,7 +41,6 @@ from torch import Tensor
 
 from vitpe.checkpoint import CheckpointError, checkpoint_config, find_checkpoint, model_from_checkpoint
 from vitpe.coords import COORD_MODES, PatchGrid
-from vitpe.data.augment import normalize
 from vitpe.engine import evaluate
 from vitpe.evaluation import dataset_of
 
@@ -72,18 +71,9 @@ def pooled_tokens(model, factor: int) -> Iterator[None]:
         post.remove()
 
 
-@torch.no_grad()
-def confusion(model, images: Tensor, labels: Tensor, mean, std, classes: int, batch_size: int = 250) -> Tensor:
-    """``(classes, classes)`` counts of (true class, predicted class) of ``model`` on ``images``."""
-    counts = torch.zeros(classes * classes, dtype=torch.long)
-    for s in range(0, len(labels), batch_size):
-        pred = model(normalize(images[s : s + batch_size], mean, std)).argmax(1)
-        counts += torch.bincount(labels[s : s + batch_size] * classes + pred, minlength=classes * classes)
-    return counts.view(classes, classes)
-
-
 def shifts(at_1x: Tensor, at_sx: Tensor, names) -> List[Dict]:
-    """Each class whose top-1 falls at ``sx``: its top-1 at 1x and ``sx`` and the class most of its images go to."""
+    """Each class whose top-1 falls at ``sx``: its top-1 at 1x and ``sx`` and the class most of its images go to
+    (``at_1x``, ``at_sx``: (true, predicted) class counts, :func:`vitpe.engine.evaluate`'s ``confusion``)."""
     out = []
     for c, (one, big) in enumerate(zip(at_1x, at_sx)):
         t1, ts = one[c].item() / max(one.sum().item(), 1), big[c].item() / max(big.sum().item(), 1)
@@ -121,15 +111,16 @@ def probe(run: Path, scale: int, test_size: int, coord_mode: str) -> Dict:
     big, labels = at(scale)
     cells: List[Tuple[str, float]] = []
 
-    def measure(name: str, images: Tensor, **kw) -> None:
+    def measure(name: str, images: Tensor, **kw) -> Dict:
         res = evaluate(model, images, labels, ds.mean, ds.std, 250, progress=True, desc=f"{run.name} {name}", **kw)
         cells.append((name, res["top1"]))
+        return res
 
-    measure("1x", at(1)[0])
+    at_1x = measure("1x", at(1)[0], confusion=True)["confusion"]
     half = scale / 2
     if scale % 2 == 0 and half > 1:  # at 2x, the half size is the 1x cell itself
         measure(label(half), at(half)[0])
-    measure(label(scale), big)
+    at_sx = measure(label(scale), big, confusion=True)["confusion"]
     for k in (k for k in range(2, scale + 1) if scale % k == 0):
         measure(f"{label(scale)}, positions of the {label(scale / k)} grid", big, grid_of=grid_at(k))
     if scale % 2 == 0:
@@ -137,9 +128,7 @@ def probe(run: Path, scale: int, test_size: int, coord_mode: str) -> Dict:
             measure(f"{label(scale)} grid, {label(half)} content", big)
         measure(f"{label(half)}, pooled {label(scale)} render", F.avg_pool2d(big.float(), 2).round().to(torch.uint8))
     base = cells[0][1]
-    n_cls = len(ds.classes)
-    moved = shifts(confusion(model, at(1)[0], labels, ds.mean, ds.std, n_cls), confusion(model, big, labels, ds.mean, ds.std, n_cls),
-                   ds.classes)
+    moved = shifts(torch.tensor(at_1x), torch.tensor(at_sx), ds.classes)
     return {"run": str(run.relative_to(ROOT) if run.is_relative_to(ROOT) else run), "pos_embed": cfg.model.pos_embed,
             "resolution_range": cfg.train.resolution_range, "train_size": size, "epochs": int(state["epoch"]),
             "scale": scale, "coord_mode": coord_mode, "n": len(labels),

@@ -438,9 +438,10 @@ def test_scale_probe_takes_positions_grid_and_content_apart(tmp_path):
     assert "| 4x grid, 2x content |" in (tmp_path / "scale_probe.md").read_text()
     # Where the images go: the counts are the evaluation's (diagonal = its hits), and a class read as another is named.
     images, labels = torch.randint(0, 256, (40, 3, 16, 16), dtype=torch.uint8), torch.arange(40) % 3
-    counts = probe.confusion(model, images, labels, (0.5,) * 3, (0.25,) * 3, 3, batch_size=16)
-    res = probe.evaluate(model, images, labels, (0.5,) * 3, (0.25,) * 3)
+    res = probe.evaluate(model, images, labels, (0.5,) * 3, (0.25,) * 3, batch_size=16, confusion=True)
+    counts = torch.tensor(res["confusion"])
     assert counts.sum() == 40 and counts.sum(1).tolist() == [14, 13, 13] and counts.trace().item() == round(res["top1"] * 40)
+    assert "confusion" not in probe.evaluate(model, images, labels, (0.5,) * 3, (0.25,) * 3)  # only when asked
     one, big = torch.tensor([[9, 1, 0], [0, 10, 0], [0, 0, 10]]), torch.tensor([[9, 1, 0], [0, 2, 8], [0, 0, 10]])
     assert probe.shifts(one, big, ("a", "b", "c")) == [{"class": "b", "top1_1x": 1.0, "top1_sx": 0.2, "goes_to": "c", "share": 0.8}]
     with pytest.raises(SystemExit, match="--scale 1: .* an integer of 2 or more"):

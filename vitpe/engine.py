@@ -164,13 +164,12 @@ def progress_steps(total: int, step: int, desc: str, progress: bool) -> Iterator
 
 
 class Scores:
-    """Running top-1, top-5, summed cross-entropy and per-class hits over batches of logits: one scoring rule for every
-    way of evaluating (fixed size, patch resize, packed native aspect ratio)."""
+    """Running top-1, top-5, summed cross-entropy and (true, predicted) class counts over batches of logits: one
+    scoring rule for every way of evaluating (fixed size, patch resize, packed native aspect ratio)."""
 
     def __init__(self) -> None:
         self.n, self.loss, self.top1, self.top5 = 0, 0.0, 0, 0
-        self.hits: Optional[Tensor] = None
-        self.seen: Optional[Tensor] = None
+        self.pairs: Optional[Tensor] = None  # (classes, classes): per-class hits are its diagonal, images its row sums
         self.classes = 0
 
     def add(self, logits: Tensor, y: Tensor) -> None:
@@ -180,17 +179,19 @@ class Scores:
         topk = logits.topk(min(5, c), dim=1).indices
         self.top1 += (topk[:, 0] == y).sum().item()
         self.top5 += (topk == y[:, None]).any(1).sum().item()
-        h = torch.bincount(y[topk[:, 0] == y], minlength=c).cpu()
-        t = torch.bincount(y, minlength=c).cpu()
-        self.hits, self.seen = (h, t) if self.hits is None else (self.hits + h, self.seen + t)
+        pairs = torch.bincount(y * c + topk[:, 0], minlength=c * c).view(c, c).cpu()
+        self.pairs = pairs if self.pairs is None else self.pairs + pairs
         self.n += len(y)
 
-    def result(self) -> Dict[str, float]:
+    def result(self, confusion: bool = False) -> Dict[str, float]:
+        """The scores; ``confusion``: also the ``(classes, classes)`` counts of (true, predicted) class."""
         n = max(self.n, 1)
         out = {"top1": self.top1 / n, "loss": self.loss / n, "n": self.n}
         if self.classes > 5:
             out["top5"] = self.top5 / n
-        out["per_class_top1"] = (self.hits / self.seen.clamp_min(1)).tolist()
+        out["per_class_top1"] = (self.pairs.diagonal() / self.pairs.sum(1).clamp_min(1)).tolist()
+        if confusion:
+            out["confusion"] = self.pairs.tolist()
         return out
 
 
@@ -210,8 +211,10 @@ def evaluate(
     tta: str = "none",
     grid_of: Optional[Callable[[nn.Module, Tensor], Any]] = None,
     resize_to: Optional[Tuple[int, int]] = None,
+    confusion: bool = False,
 ) -> Dict[str, float]:
-    """Top-1, top-5 (when there are more than 5 classes), mean cross-entropy and per-class top-1 over a split.
+    """Top-1, top-5 (when there are more than 5 classes), mean cross-entropy and per-class top-1 over a split
+    (``confusion``: also the (true, predicted) class counts, :meth:`Scores.result`).
 
     ``images`` are uint8, already at the size to evaluate; ``patch_size`` runs a vitpe ViT with a resized patch embedding (FlexiViT).
     ``tta``: average the predicted probabilities over test-time views (:data:`vitpe.data.augment.TTA_MODES`).
@@ -240,7 +243,7 @@ def evaluate(
             probs = probs + logits.float().softmax(-1) / len(views)
         scores.add(logits if len(views) == 1 else probs.clamp_min(1e-12).log(), labels[s : s + batch_size].to(device))
     model.train(was_training)
-    return scores.result()
+    return scores.result(confusion)
 
 
 @torch.no_grad()
