@@ -159,11 +159,17 @@ def locked(out: Path):
 
 
 # ---- the report ----------------------------------------------------------------------------------------------------
+def nominal(scale: float) -> float:
+    """The planned scale a measured one was snapped from: sizes are whole patches, so Fashion-MNIST's 1.5x (42 px) is
+    measured at 40 px (1.43x) on the coordinate and resize routes and at 42 on the patch route."""
+    return min(SCALES, key=lambda s: abs(math.log(scale / s)))
+
+
 def changes(rows: List[Dict], data: str, family: str, recipe: str, route: str, mode: str, scale: float) -> List[float]:
-    """Per seed: top-1 at ``scale`` on (route, mode) minus top-1 at 1x on the coordinate route, in points."""
+    """Per seed: top-1 at the planned ``scale`` on (route, mode) minus top-1 at 1x on the coordinate route, in points."""
     def at(r_route: str, r_mode: str, s: float) -> Dict[int, float]:
         return {r["seed"]: r["top1"] for r in rows if (r["data"], r["pos_embed"], r["recipe"], r["route"], r["coord_mode"]) ==
-                (data, family, recipe, r_route, r_mode) and abs(r["scale"] - s) < 0.05}
+                (data, family, recipe, r_route, r_mode) and nominal(r["scale"]) == s}
 
     one, there = at("coords", "interpolate", 1.0), at(route, mode, scale)
     return [100 * (there[s] - one[s]) for s in there if s in one]
@@ -246,7 +252,12 @@ def report(rows: List[Dict], out: Path, figures: bool = False) -> None:
         sub = [r for r in rows if r["data"] == data]
         if not sub:
             continue
-        lines += [f"## {data}", "", "| family | recipe | seeds | 1x top-1 | 1.5x I / E / R | 2x I / E / P / R | 4x I / P / R |",
+        def sizes(route: str) -> str:
+            return ", ".join(str(px) for px in sorted({int(r["height"]) for r in sub if r["route"] == route}))
+
+        lines += [f"## {data}", "", f"Trained at {sub[0]['train_size']} px. Sizes (px, whole patches): coordinate and resize routes "
+                  f"{sizes('coords')}; patch route {sizes('patch')}.", "",
+                  "| family | recipe | seeds | 1x top-1 | 1.5x I / E / R | 2x I / E / P / R | 4x I / P / R |",
                   "| --- | --- | ---: | ---: | --- | --- | --- |"]
         for family in FAMILIES:
             for recipe in RECIPES:

@@ -703,3 +703,20 @@ def test_field_transfer_smoke(tmp_path):
     assert not (tmp_path / "gratings.png").exists()  # a study's rows rewrite the table only; the figure is --report's
     assert study.main(["--report", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "gratings.png").stat().st_size > 10_000 and (tmp_path / "table.md").read_text() == table
+
+
+def test_field_transfer_reports_a_snapped_size_under_its_planned_scale(tmp_path):
+    """Sizes are whole patches: Fashion-MNIST's 1.5x (42 px) is measured at 40 px (1.43x) on the coordinate and resize
+    routes and at 42 on the patch route. The table shows both under 1.5x and names the sizes it measured."""
+    study = load_benchmark("field_transfer")
+    assert [study.nominal(s) for s in (0.5714, 0.7143, 1.0, 1.4286, 1.5, 2.0, 3.0, 4.0)] == [0.5, 0.75, 1.0, 1.5, 1.5, 2.0, 3.0, 4.0]
+    base = {"data": "fashion_mnist", "pos_embed": "rope_mixed", "recipe": "field", "seed": 0, "train_size": 28}
+    rows = [{**base, "route": route, "coord_mode": "interpolate", "scale": round(px / 28, 4), "height": px, "top1": top1}
+            for route, px, top1 in (("coords", 28, 0.9), ("coords", 40, 0.8), ("resize", 40, 0.85), ("patch", 42, 0.88))]
+    assert [round(x, 6) for x in study.changes(rows, "fashion_mnist", "rope_mixed", "field", "coords", "interpolate", 1.5)] == [-10.0]
+    assert [round(x, 6) for x in study.changes(rows, "fashion_mnist", "rope_mixed", "field", "patch", "interpolate", 1.5)] == [-2.0]
+    assert study.changes(rows, "fashion_mnist", "rope_mixed", "field", "coords", "interpolate", 2.0) == []
+    study.report([{**r, "epochs": 8, "converged": True, "last_fifth_gain_points": 0.0} for r in rows], tmp_path)
+    table = (tmp_path / "table.md").read_text()
+    assert "coordinate and resize routes 28, 40; patch route 42." in table
+    assert "| rope_mixed | field | 1 | 90.0 | -10.0 / - / -5.0 |" in table
