@@ -193,7 +193,7 @@ def series_of(rows: List[Dict], data: str, family: Optional[str], recipe: str, r
     for r in on(route, mode):
         at.setdefault(round(r["scale"], 2), []).append(100 * r["top1"])
     if route == "resize":  # the baseline at 1x is the model itself
-        at.setdefault(1.0, [100 * r["top1"] for r in on("coords", "interpolate") if abs(r["scale"] - 1) < 0.05])
+        at.setdefault(1.0, [100 * r["top1"] for r in on("coords", "interpolate") if nominal(r["scale"]) == 1.0])
     return sorted((s, statistics.fmean(v)) for s, v in at.items() if v)
 
 
@@ -262,7 +262,7 @@ def report(rows: List[Dict], out: Path, figures: bool = False) -> None:
         for family in FAMILIES:
             for recipe in RECIPES:
                 one = [100 * r["top1"] for r in sub if (r["pos_embed"], r["recipe"], r["route"], r["coord_mode"]) ==
-                       (family, recipe, "coords", "interpolate") and abs(r["scale"] - 1) < 0.05]
+                       (family, recipe, "coords", "interpolate") and nominal(r["scale"]) == 1.0]
                 if not one:
                     continue
                 parts = []
