@@ -2,6 +2,7 @@
 from . import timm_models  # registers vitpe_* architectures with timm.create_model
 from .coords import COORD_MODES, CoordAugment, PatchGrid, TokenGrid, cell_coords, grid_coords, patch_units
 from .export import export_onnx, onnx_errors
+from .finetune import freeze, init_from
 from .interop import cpb_from_swinv2, equip_timm_vit
 from .packing import Packed, PackingError, image_patches, pack_images, pack_patches
 from .patch import resize_patch_embed
@@ -75,6 +76,8 @@ __all__ = [
     "cpb_from_swinv2",
     "save_pretrained",
     "from_pretrained",
+    "init_from",
+    "freeze",
     "export_onnx",
     "onnx_errors",
 ]

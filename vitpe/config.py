@@ -21,7 +21,7 @@ from .pos_embed import DEFAULT_POS_EMBED
 from .suggest import did_you_mean
 from .vit import POOLS
 
-__all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "Config", "load_config", "apply_overrides", "train_resolutions"]
+__all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "InitConfig", "Config", "load_config", "apply_overrides", "train_resolutions"]
 
 
 class ConfigError(VitpeError):
@@ -122,6 +122,20 @@ class TrainConfig:
     warmup_steps: Optional[int] = None
     dist_timeout_s: float = 600.0  # torchrun: a rank that does not answer for this long stops the run with a message
     tensorboard: bool = False  # also write each epoch's metrics as TensorBoard event files in RUN/tensorboard (pip install tensorboard)
+    # Fine-tuning (init.source): layer-wise learning-rate decay (BEiT/MAE; timm's optimizer helper): block i of L trains at
+    # lr * layer_decay^(L - i), the embeddings at lr * layer_decay^(L + 1), the head at lr (None: off).
+    layer_decay: Optional[float] = None
+    freeze: str = "none"  # none | backbone (only the head trains: a linear probe) | N (the embeddings and the first N blocks frozen)
+
+
+@dataclass
+class InitConfig:
+    """What a run starts from (train.py --init SOURCE): None, a fresh model; else a vitpe run directory or checkpoint, a
+    save_pretrained folder (vitpe's or timm's layout) or timm:NAME. The model section is then the source's architecture."""
+
+    source: Optional[str] = None
+    weights: Optional[str] = None  # with timm:NAME: its weights (.safetensors, .pth, .bin); without, timm's hub
+    sha256: Optional[str] = None  # of the weights file read, recorded when the run starts; a later run from this config checks it
 
 
 @dataclass
@@ -129,6 +143,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     out_dir: str = "runs"
     name: Optional[str] = None  # run directory name under out_dir (default: data-pe-timestamp)
 
@@ -258,6 +273,7 @@ def _validate(cfg: Config) -> None:
         ("train.budget_min", t.budget_min, 0, None, False, True), ("train.steps", t.steps, 1, None, True, True),
         ("train.warmup_steps", t.warmup_steps, 0, None, True, True),
         ("train.max_tokens", t.max_tokens, 1, None, True, True), ("train.dist_timeout_s", t.dist_timeout_s, 0, None, False, True),
+        ("train.layer_decay", t.layer_decay, 0, 1, False, True),
     ]
     for key, value, lo, hi, lo_in, hi_in in ranges:
         if value is None:
@@ -273,6 +289,12 @@ def _validate(cfg: Config) -> None:
         if len(pair) != 2 or not 0 < pair[0] <= pair[1] or (upper is not None and pair[1] > upper) or pair[0] != pair[0]:
             limits = "0 < min <= max <= 1: fractions of the image's area" if upper else "0 < min <= max: width / height"
             raise ConfigError(f"{key}={list(pair)} must be [min, max] with {limits}, e.g. " + ("[0.35, 1.0]" if upper else "[0.75, 1.33]"))
+    try:
+        frozen_spec(t.freeze, m.depth)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.init.weights is not None and not (cfg.init.source or "").startswith("timm:"):
+        raise ConfigError("init.weights (--init-weights) goes with init.source=timm:NAME; a run or a folder carries its own weights")
     if t.steps is not None and t.budget_min is not None:
         raise ConfigError(f"train.steps={t.steps} and train.budget_min={t.budget_min:g} both decide the epochs; drop one")
     if m.embed_dim % m.num_heads:
@@ -305,6 +327,18 @@ def _validate(cfg: Config) -> None:
     if unknown:
         bad = sorted(unknown)[0]
         raise ConfigError(f"unknown key model.coord_aug.{bad}{did_you_mean(bad, aug_keys)}; valid keys: {', '.join(aug_keys)}")
+
+
+def frozen_spec(value: str, depth: Optional[int] = None) -> Union[str, int]:
+    """``train.freeze``'s value: ``"none"``, ``"backbone"`` or a number of blocks N (0 <= N <= depth); ValueError else."""
+    text = str(value).strip()
+    if text in ("none", "backbone"):
+        return text
+    if text.isdigit() and (depth is None or int(text) <= depth):
+        return int(text)
+    top = f" (this model has {depth} blocks)" if depth is not None else ""
+    raise ValueError(f"train.freeze={value!r} must be none, backbone (only the head trains: a linear probe) or a number of blocks N "
+                     f"(the embeddings and the first N blocks frozen){top}")
 
 
 def train_resolutions(cfg: Config) -> List[int]:

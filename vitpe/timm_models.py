@@ -8,10 +8,13 @@ pretrained weights: ``pretrained=True`` fails in timm with its own message.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
 import sys
 from typing import Any, Callable, Dict, List, Optional
+
+import torch
 
 from .pos_embed import list_pos_embeds
 from .vit import VisionTransformer
@@ -32,11 +35,14 @@ default_cfgs: Dict[str, Dict[str, Any]] = {}  # timm's register_model reads each
 def _entrypoint(name: str, arch: Dict[str, Any], pos_embed: str | None) -> Callable[..., VisionTransformer]:
     from timm.models import build_model_with_cfg
 
-    def create(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    def create(pretrained: bool = False, device: Any = None, dtype: Optional[torch.dtype] = None, **kwargs: Any) -> VisionTransformer:
+        # timm's factory passes device and dtype; they place the model, they are not its architecture (model_args)
         args = {**arch, **({"pos_embed": pos_embed} if pos_embed else {}), **kwargs}
-        return build_model_with_cfg(
-            VisionTransformer, name, pretrained, feature_cfg=dict(out_indices=3, feature_cls="getter"), **args
-        )
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            model = build_model_with_cfg(
+                VisionTransformer, name, pretrained, feature_cfg=dict(out_indices=3, feature_cls="getter"), **args
+            )
+        return model if dtype is None else model.to(dtype)
 
     create.__name__ = create.__qualname__ = name
     create.__doc__ = f"vitpe ViT {name}: {arch} with pos_embed={pos_embed or 'sincos2d (or pos_embed=...)'}"
@@ -57,8 +63,9 @@ def _register() -> None:
     from timm.models import register_model
 
     size = lambda a: (3, a["img_size"], a["img_size"])  # noqa: E731
-    # The generic entry names no classifier, so timm never drops a saved head for a num_classes it did not expect.
-    default_cfgs[GENERIC] = dict(url="", num_classes=1000, input_size=(3, 224, 224), pool_size=None, crop_pct=1.0, interpolation="bicubic",
+    # The generic entry names no classifier, so timm never drops a saved head for a num_classes it did not expect, and
+    # has none by default (num_classes=0: pooled features), since a saved model's num_classes comes with its model_args.
+    default_cfgs[GENERIC] = dict(url="", num_classes=0, input_size=(3, 224, 224), pool_size=None, crop_pct=1.0, interpolation="bicubic",
                                  mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), first_conv="patch_embed", classifier=None)
     fn = _entrypoint(GENERIC, {}, None)
     fn.__module__ = __name__

@@ -33,13 +33,14 @@ import torch.distributed as dist
 
 from vitpe import VisionTransformer
 from vitpe.checkpoint import CHECKPOINT_NAME, CheckpointError, check_classes, load_checkpoint, load_model_state, non_finite, save_checkpoint
-from vitpe.config import Config, ConfigError, apply_overrides, config_from_dict, load_config, save_config, train_resolutions
+from vitpe.config import Config, ConfigError, ModelConfig, apply_overrides, config_from_dict, load_config, save_config, train_resolutions
 from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, crop_boxes, normalize
 from vitpe.data.datasets import TRAIN_SIZES
 from vitpe.data.mixed import draw_sizes, mixed_batch
 from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, forward_bytes, memory_available, resolve_device, seed_step
 from vitpe.errors import VitpeError, run_cli
+from vitpe.finetune import FINE_TUNABLE, Source, freeze, read_source, source_model_args, start_model
 from vitpe.pos_embed import NO_POS_EMBED
 from vitpe.runs import (  # noqa: F401 (safe_name: public name)
     CONFIG_NAME,
@@ -56,6 +57,7 @@ from vitpe.runs import (  # noqa: F401 (safe_name: public name)
 )
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shapes.yaml"  # the repository's configs/
+FINETUNE_CONFIG = DEFAULT_CONFIG.with_name("finetune.yaml")  # the default recipe of a run started from a model (--init)
 # Measured results of recipes, by PE (benchmarks/accuracy.py --suite main writes it): what a finished run compares itself to.
 REFERENCE_FILE = Path(__file__).resolve().parent / "reference_runs.json"
 # Config keys that do not change what a recipe learns, or that a reference compares across.
@@ -79,6 +81,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--name", help="run directory name under out_dir (must not exist yet)")
     p.add_argument("--out-dir", help="where run directories go (default: runs)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run exactly where it stopped")
+    p.add_argument("--init", metavar="SOURCE", help="start from a model: a run directory or checkpoint, a save_pretrained folder, or "
+                   "timm:NAME (shortcut for --set init.source=SOURCE; default config then configs/finetune.yaml)")
+    p.add_argument("--init-weights", metavar="FILE", help="with --init timm:NAME: its weights (.safetensors, .pth, .bin)")
     p.add_argument("--no-verify", action="store_true", help="resume from a checkpoint whose checksum does not match")
     return p.parse_args(argv)
 
@@ -86,18 +91,85 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 def cli_overrides(args: argparse.Namespace) -> List[str]:
     """The ``key=value`` overrides the command line gives, its shortcuts (``--data``, ``--epochs``, ...) included."""
     shortcuts = [("data.name", args.data), ("data.data_dir", args.data_dir), ("model.pos_embed", args.pe),
-                 ("train.epochs", args.epochs), ("name", args.name), ("out_dir", args.out_dir)]
+                 ("train.epochs", args.epochs), ("name", args.name), ("out_dir", args.out_dir), ("init.source", args.init),
+                 ("init.weights", args.init_weights)]
     return [f"{k}={v}" for k, v in shortcuts if v is not None] + args.overrides
 
 
+def config_file(args: argparse.Namespace) -> Path:
+    """The config file a run reads: ``--config``, else the fine-tuning recipe for a run started from a model, else the main job."""
+    if args.config:
+        return Path(args.config)
+    starts_from = args.init or any(o.split("=", 1)[0].strip() == "init.source" for o in args.overrides)
+    return FINETUNE_CONFIG if starts_from else DEFAULT_CONFIG
+
+
 def resolve_config(args: argparse.Namespace) -> Config:
-    cfg = load_config(args.config or str(DEFAULT_CONFIG))
+    return resolve_run(args)[0]
+
+
+def resolve_run(args: argparse.Namespace) -> Tuple[Config, Optional[Source], List[str]]:
+    """The config a new run trains with; for one that starts from a model (``init.source``), the source read (only
+    read) and the lines that say what came from it (:func:`config_from_source`)."""
+    file = config_file(args)
+    cfg = load_config(str(file))
     overrides = cli_overrides(args)
-    cfg = apply_overrides(cfg, overrides)
+    source, lines = None, []
+    rest = [o for o in overrides if not o.startswith("model.")]
+    if apply_overrides(cfg, rest).init.source:  # the model's keys are the source's, changed by the command line's model.* only
+        cfg = apply_overrides(cfg, rest)
+        source = read_source(cfg.init.source, cfg.init.weights)
+        cfg, lines = config_from_source(cfg, source, [o for o in overrides if o.startswith("model.")], file,
+                                        args.config is not None or args.data is not None or any(o.startswith("data.") for o in overrides))
+    else:
+        cfg = apply_overrides(cfg, overrides)
     if cfg.train.budget_min is not None and any(o.split("=", 1)[0].strip() == "train.epochs" for o in overrides):
         raise ConfigError(f"train.epochs was given but train.budget_min={cfg.train.budget_min:g} decides the epochs; drop one "
                           "(--set train.budget_min=null trains for a fixed number of epochs)")
-    return cfg
+    return cfg, source, lines
+
+
+_DATASET_KEYS = ("name", "data_dir", "train_size", "test_size")  # which data a run trained on (not how it was augmented)
+
+
+def config_from_source(cfg: Config, source: Source, model_overrides: Sequence[str], config: Path, data_given: bool) -> Tuple[Config, List[str]]:
+    """``cfg`` for a run that starts from ``source``: the model section is the source's architecture (the config file's
+    model keys give way to it) with the command line's ``model.*`` overrides, of which only
+    :data:`vitpe.finetune.FINE_TUNABLE` keys may differ from the source; the data are a vitpe run's own where neither
+    ``--data``, a config file nor ``data.*`` names them; ``init.sha256`` records the weights read (and where it was
+    given, must match them). Returns the config and the lines that say so."""
+    base = {k: v for k, v in source.model_args.items() if k in set(vars(ModelConfig()))}
+    if not isinstance(base["img_size"], int):
+        img = base["img_size"]
+        if len(set(img)) != 1 and not any(o.startswith("model.img_size=") for o in model_overrides):
+            raise ConfigError(f"{source.spec} was built for {img[0]}x{img[1]} px and vitpe's training takes a square model.img_size: "
+                              f"give one with --set model.img_size=N")
+        base["img_size"] = img[0]
+    explicit = {o.split("=", 1)[0].strip().split(".")[1] for o in model_overrides}
+    try:
+        changed = apply_overrides(config_from_dict(dict(cfg.to_dict(), model=base)), list(model_overrides)).model
+    except ConfigError as e:
+        raise ConfigError(f"{e} (the model is {source.spec}'s: {source.describe})") from None
+    args, changes = source_model_args(source, {k: getattr(changed, k) for k in explicit})
+    args["img_size"] = base["img_size"] if "img_size" not in explicit else args["img_size"]
+    data = cfg.to_dict()["data"]
+    took_data = source.data is not None and not data_given
+    if took_data:
+        data.update({k: source.data.get(k) for k in _DATASET_KEYS})
+    digest = source.provenance.get("sha256")
+    if cfg.init.sha256 and digest and cfg.init.sha256 != digest:
+        raise ConfigError(f"the weights of {source.spec} changed since this config was written (sha256 {digest[:12]}..., recorded "
+                          f"{cfg.init.sha256[:12]}...): restore them, or drop init.sha256 to start from what is there now")
+    model_keys = set(vars(ModelConfig()))
+    new = dict(cfg.to_dict(), model={k: v for k, v in args.items() if k in model_keys}, data=data,
+               init=dict(cfg.to_dict()["init"], sha256=digest))
+    out = config_from_dict(new)
+    lines = [f"{source.spec}: {source.describe}; the architecture comes from it (the model keys of {config.name} give way; a fine-tune "
+             f"may change {', '.join('model.' + k for k in FINE_TUNABLE)})",
+             *source.notes, *changes]
+    if took_data:
+        lines.append(f"data: {out.data.name}, as {source.spec} trained on (--data NAME for other data)")
+    return out, lines
 
 
 def run_name(cfg: Config) -> str:
@@ -106,7 +178,7 @@ def run_name(cfg: Config) -> str:
 
 def resume_state(args: argparse.Namespace) -> Tuple[Optional[Dict[str, Any]], Config, Path]:
     """What ``--resume`` continues: the checkpoint, or a run stopped before its first one (from its config, at step 0)."""
-    if args.config or args.overrides or any(getattr(args, k) for k in ("data", "data_dir", "pe", "epochs", "name", "out_dir")):
+    if args.config or args.overrides or any(getattr(args, k) for k in ("data", "data_dir", "pe", "epochs", "name", "out_dir", "init", "init_weights")):
         raise ConfigError("a resumed run continues with its saved config; start a new run to change settings")
     given = Path(args.resume)
     run = given if given.is_dir() else given.parent
@@ -239,7 +311,7 @@ def schedule_warnings(cfg: Config, steps_per_epoch: int, n_test: Optional[int] =
     one line each (the run still starts)."""
     t, total = cfg.train, cfg.train.epochs * steps_per_epoch
     out = []
-    if total < FEW_STEPS:
+    if total < FEW_STEPS and not cfg.init.source:  # a fine-tune starts from a trained model: a few hundred steps are its norm
         more = math.ceil(FEW_STEPS * 3 / steps_per_epoch)
         out.append(f"{total} optimizer steps ({t.epochs} epochs x {steps_per_epoch}) are far too few for a ViT to learn from scratch "
                    f"(the main job takes 1,248): expect a score near chance or far below what the data allows; train longer "
@@ -368,10 +440,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     log = print if rank == 0 else (lambda *a, **k: None)
 
     # ---- config: everything is checked before a run directory exists ----------------------------------
+    source = None  # what a new run starts from (--init): read, never written; a resumed run has its own weights
     if args.resume:
         state, cfg, run = resume_state(args)
     else:
-        state, cfg, run = None, resolve_config(args), None
+        state, run = None, None
+        cfg, source, lines = resolve_run(args)
+        for line in lines:
+            log(f"init: {line}")
     if cfg.train.batch_size % world:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} must be divisible by the {world} processes")
     if (cfg.data.mixup > 0 or cfg.data.cutmix > 0) and (cfg.train.batch_size // world) % 2:
@@ -404,7 +480,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if steps_per_epoch == 0:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the {len(train_y)} training images")
     if not args.resume:  # a resumed run keeps the schedule its config.yaml holds
-        line = work_schedule(load_config(args.config or str(DEFAULT_CONFIG)), cfg, cli_overrides(args), steps_per_epoch, len(train_y))
+        line = work_schedule(load_config(str(config_file(args))), cfg, cli_overrides(args), steps_per_epoch, len(train_y))
         if line:
             log(line)
     total_steps = cfg.train.epochs * steps_per_epoch
@@ -418,7 +494,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     seed_step(cfg.train.seed)
     model_args = dict(vars(cfg.model), num_classes=ds.num_classes, in_chans=ds.in_chans)
-    model = VisionTransformer(**model_args).to(device)
+    if source is not None:
+        model, lines = start_model(source, model_args, ds.classes)
+        for line in lines:
+            log(f"init: {line}")
+    else:
+        model = VisionTransformer(**model_args)
+    frozen = freeze(model, cfg.train.freeze)  # before the optimizer: frozen parameters get no state, no decay, no update
+    if frozen and state is None:
+        log(f"train.freeze={cfg.train.freeze}: {len(frozen)} of {len(list(model.parameters()))} parameter tensors frozen "
+            f"({sum(p.numel() for p in model.parameters() if p.requires_grad):,} parameters train)")
+    model = model.to(device)
     # What a step holds, as a bound: every block's activations of every image, kept for the backward pass, and the
     # attention bias with its gradient.
     shared, each = forward_bytes(model, (max(sizes),) * 2)
@@ -427,7 +513,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         log(f"warning: a training step at {max(sizes)} px may hold up to {step_bytes / 2**30:.1f} GiB ({cfg.train.batch_size // world} "
             f"images x {len(model.blocks)} blocks) and {device} has {available / 2**30:.1f} GiB available; if it runs "
             "out of memory, lower train.batch_size or model.img_size, or raise model.patch_size")
-    optimizer = create_optimizer_v2(model, "adamw", lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    with _quiet("timm.optim._param_groups"):
+        optimizer = create_optimizer_v2(model, "adamw", lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, layer_decay=cfg.train.layer_decay)
     warmup = round(cfg.train.warmup_epochs * steps_per_epoch)
     budget = state.get("budget") if state is not None else None
     for line in schedule_warnings(cfg, steps_per_epoch, len(test_y)) if not cfg.train.budget_min or budget else []:  # else: once the budget sets the epochs

@@ -6,6 +6,7 @@ the actual input, and hands that context to every block. No block knows which PE
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 from torch.nn.init import trunc_normal_
+from torch.utils.checkpoint import checkpoint
 
 from .coords import CoordAugment, CoordMode, PatchGrid, TokenGrid, content_tokens, snap, to_2tuple
 from .layers import AttentionPool, DropPath, LayerScale, Mlp, make_norm
@@ -44,7 +46,8 @@ def pin_traced_size(x: Tensor, dims: Tuple[int, int]) -> Tensor:
 
 def compute_dtype(x: Tensor) -> torch.dtype:
     """The dtype activations will have: autocast's when it is on, else ``x``'s (PE tables are cast to it)."""
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    kind = x.device.type  # a meta tensor (timm builds models on it to check their shapes) has no autocast
+    return torch.get_autocast_dtype(kind) if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind) else x.dtype
 
 
 def position_tokens(x: Tensor, pos: PosContext, prefix: Sequence[Optional[Tensor]]) -> Tensor:
@@ -310,6 +313,8 @@ class VisionTransformer(nn.Module):
             raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
         self.patch_size, self.in_chans, self.num_classes = patch_size, in_chans, num_classes
         self.embed_dim, self.depth, self.num_heads, self.pool = embed_dim, depth, num_heads, pool
+        self.num_features = self.head_hidden_size = embed_dim  # timm's names for the width the head reads
+        self.grad_checkpointing = False
         self.content_keep = content_keep
         self.ref_grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
         self.coord_mode = coord_mode
@@ -336,7 +341,7 @@ class VisionTransformer(nn.Module):
             warnings.warn(f"coord_aug draws per image, so {part.name} {part.per_image_cost} (docs/benchmarks.md, 'Coordinates per "
                           "image'); coord_aug per_image: false draws once per batch at no cost, as DINOv3 does", stacklevel=2)
         self.pos_drop = nn.Dropout(drop_rate)
-        dpr = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth grows with depth
+        dpr = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # stochastic depth grows with depth (cpu: also under a meta device)
         self.blocks = nn.ModuleList(
             Block(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, dpr[i], norm_eps, init_values, norm_layer,
                   mlp_act, mlp_gated, mlp_norm, mlp_hidden_dim, qk_norm, attn_norm, post_norm)
@@ -377,6 +382,51 @@ class VisionTransformer(nn.Module):
         """Parameter names that should not be weight-decayed (timm's optimizer factory reads this)."""
         skip = {n for n in ("cls_token", "dist_token", "reg_token") if getattr(self, n) is not None}
         return skip | {f"pos_embed.{n}" for n, _ in self.pos_embed.named_parameters()}
+
+    # ---- timm's model contract: what its optimizer helpers (layer decay) and fine-tuning scripts read -----------
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """Parameter groups from input to output, as timm's models give them: the embeddings (patches, prefix tokens, PE)
+        first, then each block; what no pattern names (the head, its norm and pool) is the last group. timm's layer-wise
+        learning-rate decay (``create_optimizer_v2(..., layer_decay=...)``) reads this."""
+        return dict(stem=r"^cls_token|^dist_token|^reg_token|^pos_embed|^patch_embed|^norm_pre",
+                    blocks=r"^blocks\.(\d+)" if coarse else [(r"^blocks\.(\d+)", None), (r"^norm\.", (99999,))])
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block's activations in the backward pass instead of keeping them (less memory, ~30% more
+        compute), as timm's models do."""
+        self.grad_checkpointing = enable
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        """A new, freshly initialised head for ``num_classes`` outputs (0: none, the model returns pooled features), as
+        timm's ``reset_classifier``; ``global_pool`` another pooling (``"token"``/``"cls"``, ``"avg"``/``"mean"``, or
+        ``"map"`` where the model has an attention pool). The head is made on the model's device and dtype, and
+        ``model_args`` follow, so that a saved model is rebuilt with its new head."""
+        if global_pool is not None:
+            pool = {"token": "cls", "avg": "mean"}.get(global_pool, global_pool)
+            if pool not in POOLS or (pool == "map" and self.attn_pool is None) or (pool == "cls" and self.cls_token is None):
+                have = ["cls"] * (self.cls_token is not None) + ["mean"] + ["map"] * (self.attn_pool is not None)
+                raise ValueError(f"global_pool={global_pool!r} is not a pooling this model has; choose one of {', '.join(have)}")
+            self.pool = self.model_args["pool"] = pool
+        if not isinstance(num_classes, int) or num_classes < 0:
+            raise ValueError(f"num_classes must be an int >= 0, got {num_classes!r}")
+        like = self.patch_embed.weight
+
+        def linear() -> nn.Module:
+            if num_classes == 0:
+                return nn.Identity()
+            head = nn.Linear(self.embed_dim, num_classes, device=like.device, dtype=like.dtype)
+            if like.device.type != "meta":
+                trunc_normal_(head.weight, std=0.02)
+                nn.init.zeros_(head.bias)
+            return head.train(self.training)
+
+        self.head = linear()
+        if self.distilled:
+            self.head_dist = linear()
+        self.num_classes = self.model_args["num_classes"] = num_classes
 
     # ---- forward ---------------------------------------------------------------------------------
     def grid_size(self, img_hw: Tuple[int, int], patch_size: Optional[int] = None) -> Tuple[int, int]:
@@ -489,11 +539,13 @@ class VisionTransformer(nn.Module):
         """The one block loop: yields the tokens after each block (and its conditional PE), through block ``stop``
         (default: the last). ``num_queries=Q`` computes only the first Q tokens' outputs in the last block run."""
         last = len(self.blocks) - 1 if stop is None else stop
+        save_memory = self.grad_checkpointing and torch.is_grad_enabled()
         for i, blk in enumerate(self.blocks[: last + 1]):
+            run = functools.partial(checkpoint, blk, use_reentrant=False) if save_memory else blk
             if i == last and num_queries is not None:
-                yield blk(x, pos, i, num_queries)  # conditioning after it would touch only the patch tokens dropped here
+                yield run(x, pos, i, num_queries)  # conditioning after it would touch only the patch tokens dropped here
             else:
-                x = pos.after_block(i, blk(x, pos, i))
+                x = pos.after_block(i, run(x, pos, i))
                 yield x
 
     def forward_features(

@@ -154,6 +154,16 @@ class LearnedPosEmbed(PosEmbed):
     def onnx_refusal(self) -> Optional[str]:
         return _SQUARE_REFUSAL.format("learned") if self.square else None
 
+    def resampled_state(self, state: Dict[str, Tensor], from_grid: Size2) -> Dict[str, Tensor]:
+        """The trained table (on ``from_grid``) as this table: what it gave on this reference grid in interpolate mode,
+        sampled by its own rule (bicubic; timm's ``resample_abs_pos_embed`` where ``antialias`` is on, as for timm's models)."""
+        trained = LearnedPosEmbed(self.dim, self.num_heads, from_grid, antialias=self.antialias, mode=self.mode,
+                                  align_corners=self.align_corners, square=self.square)
+        trained.load_state_dict(state)
+        with torch.no_grad():
+            tokens = trained.tokens(PatchGrid.create(self.ref_grid, from_grid, "interpolate", device=state["table"].device))
+        return {"table": rearrange(tokens, "(h w) d -> 1 d h w", h=self.ref_grid[0]).contiguous()}
+
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """timm's ``pos_embed`` (ViT, DeiT, RoPE-ViT "+APE") becomes the table."""
         pos = weights.get("pos_embed")
@@ -197,6 +207,12 @@ class FactorizedPosEmbed(PosEmbed):
 
     def onnx_refusal(self) -> Optional[str]:
         return _SQUARE_REFUSAL.format("factorized") if self.square else None
+
+    def resampled_state(self, state: Dict[str, Tensor], from_grid: Size2) -> Dict[str, Tensor]:
+        """Each trained table (on ``from_grid``) sampled at this reference grid's rows and columns in interpolate mode."""
+        c = PatchGrid.create(self.ref_grid, from_grid, "interpolate").coords.reshape(*self.ref_grid, 2)  # (h, w, (x, y))
+        return {"table_y": sample_line(state["table_y"], c[:, 0, 1].to(state["table_y"].device)),
+                "table_x": sample_line(state["table_x"], c[0, :, 0].to(state["table_x"].device))}
 
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
         """NaFlexVit's ``pos_embed_y`` ``(1, h, dim)`` and ``pos_embed_x`` ``(1, w, dim)`` become the two tables."""

@@ -295,6 +295,14 @@ class PosEmbed(nn.Module):
         that is meant for this PE but does not fit it raises ``ValueError``. The PE decides, never a key name."""
         return {}
 
+    def resampled_state(self, state: Dict[str, Tensor], from_grid: Size2) -> Dict[str, Tensor]:
+        """This PE's state dict from ``state``, the state of the same family and options trained on the reference grid
+        ``from_grid``: what a fine-tune at another size or patch size starts from. A family whose parameters are
+        functions of coordinates (frequencies, MLPs, slopes) takes them as they are: the new grid's coordinates are its
+        adaptation. A family with a table laid on the grid overrides this to resample it, so that on its new reference
+        grid it gives what the trained table gave on that grid in interpolate mode."""
+        return dict(state)
+
     def own_grid(self, grid: PatchGrid) -> PatchGrid:
         """``grid`` in this PE's own coordinate mode, if it has one."""
         return grid.in_mode(self.coord_mode)

@@ -141,6 +141,13 @@ class RelativePositionBias(PosEmbed):
         """Swin's ``relative_position_bias_table``: vitpe indexes it exactly as Swin does."""
         return self._timm_weight(weights, "relative_position_bias_table", self.table, "rel_bias.table")
 
+    def resampled_state(self, state: Dict[str, Tensor], from_grid: Size2) -> Dict[str, Tensor]:
+        """The trained table (on ``from_grid``) sampled at this reference grid's offsets in interpolate mode, as Swin and
+        BEiT resize theirs for a new window (an interpolation of the table)."""
+        grid = PatchGrid.create(self.ref_grid, from_grid, "interpolate")
+        offsets = lattice_offsets(self.ref_grid, grid.spacing, state["table"].device).flatten(0, 1)  # ((2h-1)(2w-1), 2)
+        return {"table": sample_bias_table(state["table"], offsets, from_grid, self.interpolation).contiguous()}
+
 
 @register_pos_embed("cpb")
 class ContinuousPositionBias(PosEmbed):

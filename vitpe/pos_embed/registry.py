@@ -152,6 +152,14 @@ class CombinedPosEmbed(PosEmbed):
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:
         return {f"parts.{i}.{k}": v for i, p in enumerate(self.parts) for k, v in p.from_timm(weights).items()}
 
+    def resampled_state(self, state: Dict[str, Tensor], from_grid: Size2) -> Dict[str, Tensor]:
+        out = {}
+        for i, part in enumerate(self.parts):
+            prefix = f"parts.{i}."
+            own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            out.update({prefix + k: v for k, v in part.resampled_state(own, from_grid).items()})
+        return out
+
 
 def pe_parts(module: nn.Module) -> List[PosEmbed]:
     """Every encoding in ``module`` (a model, a PE), a combination counted as its parts."""
