@@ -11,6 +11,7 @@ import torch
 from conftest import ROOT, load_benchmark
 
 import vitpe
+from vitpe.checkpoint import load_checkpoint
 
 
 def test_resolution_transfer_train_minutes_zero_is_a_measurement(tmp_path):
@@ -720,3 +721,21 @@ def test_field_transfer_reports_a_snapped_size_under_its_planned_scale(tmp_path)
     table = (tmp_path / "table.md").read_text()
     assert "coordinate and resize routes 28, 40; patch route 42." in table
     assert "| rope_mixed | field | 1 | 90.0 | -10.0 / - / -5.0 |" in table
+
+
+def test_finetune_study_smoke(tmp_path):
+    """Every arm of the fine-tuning study on tiny runs: sources first, fine-tunes from them, each arm measured at every
+    size into the record; a second call finds them all recorded, and the report reads the record back."""
+    study = load_benchmark("finetune_study")
+    assert study.main(["--smoke", "--out", str(tmp_path), "--seeds", "0"]) == 0
+    rows = study.load_results(tmp_path / "results.csv")
+    assert {r["arm"] for r in rows} == set(study.ARMS)
+    one = [r for r in rows if r["arm"] == "one"]
+    assert {(r["route"], r["resolution"]) for r in one} == {("coords", 32), ("coords", 48), ("coords", 64), ("patch", 48), ("patch", 64),
+                                                             ("resize", 48), ("resize", 64)}
+    ft = [r for r in rows if r["arm"] == "ft64"]
+    assert all(r["source_time_s"] > 0 and r["steps"] == 4 for r in ft) and len(ft) == 3
+    assert load_checkpoint(tmp_path / "runs" / "shapes-ft64-seed0")["config"]["model"]["img_size"] == 64
+    assert load_checkpoint(tmp_path / "runs" / "shapes-ft64keep-seed0")["config"]["model"]["img_size"] == 16
+    assert study.main(["--smoke", "--out", str(tmp_path), "--seeds", "0"]) == 0  # nothing left to do
+    assert "| shapes: arm (route) |" in study.table(rows, "shapes") and "| ft64 (coords) | 1 |" in study.table(rows, "shapes")

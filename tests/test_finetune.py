@@ -101,6 +101,35 @@ def test_freeze_backbone_leaves_every_other_parameter_bit_equal_after_training(s
     vitpe.save_pretrained(model_from_checkpoint(tmp_path / "probe")[0], tmp_path / "hf")
 
 
+def test_an_interrupted_fine_tune_resumes_bit_exactly_and_the_source_is_only_read(source_run, tmp_path):
+    import hashlib
+    import os
+    import signal
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    digest = hashlib.sha256((source_run / "checkpoint.pt").read_bytes()).hexdigest()
+    recipe = ["--init", str(source_run), "--out-dir", str(tmp_path), "--set", "train.freeze=1", "--set", "train.layer_decay=0.6",
+              "--set", "model.img_size=24", "--set", "train.steps=12", "--set", "train.batch_size=32", "--pe", "learned+rope_mixed"]
+    assert train_script.main([*recipe, "--name", "whole"]) == 0
+    calls = {"n": 0}
+
+    def hook(optimizer, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    handle = register_optimizer_step_post_hook(hook)
+    try:
+        assert train_script.main([*recipe, "--name", "cut"]) == 128 + signal.SIGINT
+    finally:
+        handle.remove()
+    assert train_script.main(["--resume", str(tmp_path / "cut")]) == 0
+    a, b = load_checkpoint(tmp_path / "whole"), load_checkpoint(tmp_path / "cut")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert hashlib.sha256((source_run / "checkpoint.pt").read_bytes()).hexdigest() == digest
+
+
 def test_freeze_n_and_layer_decay_use_timms_groups():
     from timm.optim import create_optimizer_v2
 
@@ -180,3 +209,22 @@ def test_a_timm_model_from_a_file_equals_timms_own_at_its_size_and_a_new_one(vit
         a = ours.forward_head(ours.forward_features(x), pre_logits=True)
         b = theirs.forward_head(theirs.forward_features(x), pre_logits=True)
     assert (a - b).abs().max() < 1e-3
+
+
+def test_train_py_fine_tunes_a_timm_model_on_a_folder(tmp_path, vit_tiny_file):
+    """--init timm:NAME --init-weights FILE through train.py: timm's architecture at a new size, a new head for the
+    folder's classes, the weights' sha256 recorded."""
+    from PIL import Image
+
+    for split, n in (("train", 16), ("test", 8)):
+        for i in range(n):
+            (tmp_path / "folder" / split / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+            Image.fromarray((torch.rand(40, 40, 3) * 255).to(torch.uint8).numpy()).save(tmp_path / "folder" / split / f"c{i % 2}" / f"{i}.png")
+    assert train_script.main(["--init", "timm:vit_tiny_patch16_224", "--init-weights", str(vit_tiny_file), "--data",
+                              f"imagefolder:{tmp_path / 'folder'}", "--set", "model.img_size=32", "--epochs", "1", "--set", "train.batch_size=8",
+                              "--out-dir", str(tmp_path / "runs"), "--name", "t"]) == 0
+    state = load_checkpoint(tmp_path / "runs" / "t")
+    cfg = state["config"]
+    assert (cfg["model"]["embed_dim"], cfg["model"]["depth"], cfg["model"]["img_size"], cfg["model"]["patch_size"]) == (192, 12, 32, 16)
+    assert cfg["init"]["sha256"] == __import__("hashlib").sha256(vit_tiny_file.read_bytes()).hexdigest()
+    assert state["model"]["head.weight"].shape == (2, 192) and state["data"]["classes"] == ["c0", "c1"]

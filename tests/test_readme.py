@@ -189,3 +189,20 @@ def test_the_timm_pages_coverage_is_the_record():
         assert line in page, line
     converted = sum(r["status"] == "converted" for r in rows.values())
     assert f"{converted} of {len(rows)}" in README
+
+
+def test_finetune_page_is_the_record(tmp_path):
+    """docs/finetune.md shows the tables `benchmarks/finetune_study.py --report` makes of the committed record
+    (docs/finetune/results.csv), line for line, and every top-1 its answer states is a cell of them."""
+    study = load_benchmark("finetune_study")
+    out = ROOT / "docs" / "finetune"
+    record = tmp_path / "results.csv"  # the report is regenerated from a copy, never in place
+    record.write_text((out / "results.csv").read_text())
+    assert study.report(record) == (out / "table.md").read_text(), "docs/finetune/table.md is stale: run benchmarks/finetune_study.py --report"
+    page = (ROOT / "docs" / "finetune.md").read_text()
+    rows = [line for line in (out / "table.md").read_text().splitlines() if line.startswith("| ")]
+    assert len(rows) >= 10 and all(line in page for line in rows)
+    answer = page.split("| shapes: arm")[0]
+    cells = set(re.findall(r"\d+\.\d ± \d+\.\d", "\n".join(rows)))
+    stated = re.findall(r"\d+\.\d ± \d+\.\d", answer)
+    assert stated and all(s in cells for s in stated), [s for s in stated if s not in cells]

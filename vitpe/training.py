@@ -119,8 +119,8 @@ def resolve_run(args: argparse.Namespace) -> Tuple[Config, Optional[Source], Lis
     if apply_overrides(cfg, rest).init.source:  # the model's keys are the source's, changed by the command line's model.* only
         cfg = apply_overrides(cfg, rest)
         source = read_source(cfg.init.source, cfg.init.weights)
-        cfg, lines = config_from_source(cfg, source, [o for o in overrides if o.startswith("model.")], file,
-                                        args.config is not None or args.data is not None or any(o.startswith("data.") for o in overrides))
+        given = set(_DATASET_KEYS) if args.config else {o.split("=", 1)[0].strip()[len("data."):] for o in overrides if o.startswith("data.")}
+        cfg, lines = config_from_source(cfg, source, [o for o in overrides if o.startswith("model.")], file, given)
     else:
         cfg = apply_overrides(cfg, overrides)
     if cfg.train.budget_min is not None and any(o.split("=", 1)[0].strip() == "train.epochs" for o in overrides):
@@ -132,13 +132,17 @@ def resolve_run(args: argparse.Namespace) -> Tuple[Config, Optional[Source], Lis
 _DATASET_KEYS = ("name", "data_dir", "train_size", "test_size")  # which data a run trained on (not how it was augmented)
 
 
-def config_from_source(cfg: Config, source: Source, model_overrides: Sequence[str], config: Path, data_given: bool) -> Tuple[Config, List[str]]:
+def config_from_source(cfg: Config, source: Source, model_overrides: Sequence[str], config: Path, data_given: Sequence[str] = ()
+                       ) -> Tuple[Config, List[str]]:
     """``cfg`` for a run that starts from ``source``: the model section is the source's architecture (the config file's
     model keys give way to it) with the command line's ``model.*`` overrides, of which only
-    :data:`vitpe.finetune.FINE_TUNABLE` keys may differ from the source; the data are a vitpe run's own where neither
-    ``--data``, a config file nor ``data.*`` names them; ``init.sha256`` records the weights read (and where it was
-    given, must match them). Returns the config and the lines that say so."""
-    base = {k: v for k, v in source.model_args.items() if k in set(vars(ModelConfig()))}
+    :data:`vitpe.finetune.FINE_TUNABLE` keys may differ from the source; which data (name, folder, sizes) are a vitpe
+    run's own, but for the keys ``data_given`` names (the command line's, or all where a config file is given);
+    ``init.sha256`` records the weights read (and where it was given, must match them). Returns the config and the lines
+    that say so."""
+    defaults = vars(ModelConfig())
+    base = {k: defaults[k] if v is None and isinstance(defaults[k], dict) else v  # None: VisionTransformer's "no options"
+            for k, v in source.model_args.items() if k in defaults}
     if not isinstance(base["img_size"], int):
         img = base["img_size"]
         if len(set(img)) != 1 and not any(o.startswith("model.img_size=") for o in model_overrides):
@@ -151,11 +155,11 @@ def config_from_source(cfg: Config, source: Source, model_overrides: Sequence[st
     except ConfigError as e:
         raise ConfigError(f"{e} (the model is {source.spec}'s: {source.describe})") from None
     args, changes = source_model_args(source, {k: getattr(changed, k) for k in explicit})
-    args["img_size"] = base["img_size"] if "img_size" not in explicit else args["img_size"]
+    args = {k: defaults[k] if v is None and isinstance(defaults.get(k), dict) else v for k, v in args.items()}
     data = cfg.to_dict()["data"]
-    took_data = source.data is not None and not data_given
-    if took_data:
-        data.update({k: source.data.get(k) for k in _DATASET_KEYS})
+    took_data = [] if source.data is None or "name" in data_given and data["name"] != source.data.get("name") else \
+        [k for k in _DATASET_KEYS if k not in data_given]
+    data.update({k: source.data.get(k) for k in took_data})
     digest = source.provenance.get("sha256")
     if cfg.init.sha256 and digest and cfg.init.sha256 != digest:
         raise ConfigError(f"the weights of {source.spec} changed since this config was written (sha256 {digest[:12]}..., recorded "
@@ -168,7 +172,8 @@ def config_from_source(cfg: Config, source: Source, model_overrides: Sequence[st
              f"may change {', '.join('model.' + k for k in FINE_TUNABLE)})",
              *source.notes, *changes]
     if took_data:
-        lines.append(f"data: {out.data.name}, as {source.spec} trained on (--data NAME for other data)")
+        lines.append(f"data: {out.data.name} ({', '.join(f'{k}={getattr(out.data, k)}' for k in took_data if k != 'name')}), as "
+                     f"{source.spec} trained on (--data NAME for other data)")
     return out, lines
 
 
