@@ -118,12 +118,18 @@ def load_checkpoint(path: Union[str, Path], map_location: Any = "cpu", verify: b
     return state
 
 
+def state_mismatches(own: Dict[str, torch.Tensor], given: Dict[str, torch.Tensor]) -> Tuple[List[str], List[str], List[str]]:
+    """How ``given`` fails to fit a model whose state dict is ``own``: the names it lacks, the names it has beyond, and
+    ``"name (given shape) vs (own shape)"`` for the tensors of another shape; three empty lists when it fits."""
+    missing = [k for k in own if k not in given]
+    unexpected = [k for k in given if k not in own]
+    shapes = [f"{k} {tuple(given[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in given and given[k].shape != v.shape]
+    return missing, unexpected, shapes
+
+
 def load_model_state(model: torch.nn.Module, state_dict: Dict[str, torch.Tensor], source: str) -> None:
     """``load_state_dict`` with one readable line instead of a wall of key names."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in own]
-    shapes = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in state_dict and state_dict[k].shape != v.shape]
+    missing, unexpected, shapes = state_mismatches(model.state_dict(), state_dict)
     if missing or unexpected or shapes:
         parts = []
         if missing:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import CHECKPOINT_NAME, CheckpointError, class_mismatch, load_checkpoint
+from .checkpoint import CHECKPOINT_NAME, CheckpointError, class_mismatch, load_checkpoint, state_mismatches
 from .config import frozen_spec
 from .coords import to_2tuple
 from .errors import VitpeError
@@ -39,7 +39,6 @@ __all__ = ["InitError", "Source", "FINE_TUNABLE", "read_source", "source_model_a
 FINE_TUNABLE = ("img_size", "patch_size", "pos_embed", "pos_embed_kwargs", "coord_mode", "coord_aug", "drop_rate", "attn_drop_rate",
                 "drop_path_rate", "content_keep")
 _HEADS = ("head.", "head_dist.")
-WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
 
 
 class InitError(VitpeError):
@@ -106,10 +105,9 @@ def read_weights(path: Union[str, Path]) -> Dict[str, Tensor]:
     return {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()}
 
 
-def _first_mismatches(model: nn.Module, sd: Dict[str, Tensor], n: int = 3) -> str:
-    own = model.state_dict()
-    shapes = [f"{k} {tuple(sd[k].shape)} vs {tuple(v.shape)}" for k, v in own.items() if k in sd and sd[k].shape != v.shape]
-    missing, unexpected = [k for k in own if k not in sd], [k for k in sd if k not in own]
+def _first_mismatches(own: Dict[str, Tensor], sd: Dict[str, Tensor], n: int = 3) -> str:
+    """The first ``n`` tensors of each kind by which ``sd`` does not fit the state dict ``own``, in one line ("" if it fits)."""
+    missing, unexpected, shapes = state_mismatches(own, sd)
     parts = ([f"other shapes: {'; '.join(shapes[:n])}"] if shapes else []) + ([f"missing: {', '.join(missing[:n])}"] if missing else []) \
         + ([f"unexpected: {', '.join(unexpected[:n])}"] if unexpected else [])
     return ", ".join(parts)
@@ -141,7 +139,7 @@ def _timm_model(name: str, weights: Optional[str], num_classes: Optional[int] = 
             sd = filter_fn(sd, model)
         except Exception:  # a file in the model's own names needs no filter; the shape check below names what is wrong
             pass
-    problems = _first_mismatches(model, sd)
+    problems = _first_mismatches(model.state_dict(), sd)
     if problems:
         raise InitError(f"the weights in {weights} do not fit timm's {name} ({problems}); give the weights of that model")
     model.load_state_dict(sd)
@@ -293,18 +291,19 @@ def start_model(source: Source, model_args: Dict[str, Any], classes: Optional[Se
         notes.append(f"pe {old_args['pos_embed']} -> {model_args['pos_embed']}: the source's PE parameters ({dropped} tensors) are dropped, "
                      f"{model_args['pos_embed']} starts from its own initialisation")
     # the head: kept for the same classes (rows in the new order), new for others
-    head = _head(source, model, classes, n_out)
-    body.update(head[0])
-    notes.append(head[1])
-    problems = _first_mismatches(model, body)
+    head, line = _head(source, new, classes, n_out)
+    body.update(head)
+    notes.append(line)
+    problems = _first_mismatches(new, body)
     if problems:
         raise InitError(f"{source.spec}'s weights do not fit the model built from its architecture ({problems})")
     model.load_state_dict(body)
     return model, notes
 
 
-def _head(source: Source, model: VisionTransformer, classes: Optional[List[str]], n_out: int) -> Tuple[Dict[str, Tensor], str]:
-    own = {k: v for k, v in model.state_dict().items() if k.startswith(_HEADS)}
+def _head(source: Source, new: Dict[str, Tensor], classes: Optional[List[str]], n_out: int) -> Tuple[Dict[str, Tensor], str]:
+    """The head weights the new model (state dict ``new``) starts with, and the line that says which."""
+    own = {k: v for k, v in new.items() if k.startswith(_HEADS)}
     old = {k: v for k, v in source.state.items() if k.startswith(_HEADS)}
     n_old = source.model_args.get("num_classes", 0)
     if classes is not None and source.classes is not None and sorted(classes) == sorted(source.classes) and set(old) == set(own):
@@ -314,10 +313,12 @@ def _head(source: Source, model: VisionTransformer, classes: Optional[List[str]]
         return kept, f"head: kept, the same {len(classes)} classes{order}"
     if classes is None and source.classes is None and n_out == n_old and set(old) == set(own) and n_out > 0:
         return old, f"head: kept ({n_out} outputs; neither side names its classes)"
-    why = (f"the source's head predicts {n_old} classes" + ("" if source.classes is None else f" ({class_mismatch(source.classes, classes)})")
-           if classes is not None else f"{n_out} outputs asked, the source has {n_old}")
-    if classes is not None and source.classes is None:
+    if classes is None:
+        why = f"{n_out} outputs asked, the source has {n_old}"
+    elif source.classes is None:
         why = f"the source records no class names ({n_old} outputs)"
+    else:
+        why = f"the source's head predicts {n_old} classes ({class_mismatch(source.classes, classes)})"
     return own, f"head: new for {n_out} classes, freshly initialised ({why}), as timm's reset_classifier"
 
 

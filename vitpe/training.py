@@ -115,9 +115,9 @@ def resolve_run(args: argparse.Namespace) -> Tuple[Config, Optional[Source], Lis
     cfg = load_config(str(file))
     overrides = cli_overrides(args)
     source, lines = None, []
-    rest = [o for o in overrides if not o.startswith("model.")]
-    if apply_overrides(cfg, rest).init.source:  # the model's keys are the source's, changed by the command line's model.* only
-        cfg = apply_overrides(cfg, rest)
+    rest = apply_overrides(cfg, [o for o in overrides if not o.startswith("model.")])
+    if rest.init.source:  # the model's keys are the source's, changed by the command line's model.* only
+        cfg = rest
         source = read_source(cfg.init.source, cfg.init.weights)
         given = set(_DATASET_KEYS) if args.config else {o.split("=", 1)[0].strip()[len("data."):] for o in overrides if o.startswith("data.")}
         cfg, lines = config_from_source(cfg, source, [o for o in overrides if o.startswith("model.")], file, given)
@@ -164,8 +164,7 @@ def config_from_source(cfg: Config, source: Source, model_overrides: Sequence[st
     if cfg.init.sha256 and digest and cfg.init.sha256 != digest:
         raise ConfigError(f"the weights of {source.spec} changed since this config was written (sha256 {digest[:12]}..., recorded "
                           f"{cfg.init.sha256[:12]}...): restore them, or drop init.sha256 to start from what is there now")
-    model_keys = set(vars(ModelConfig()))
-    new = dict(cfg.to_dict(), model={k: v for k, v in args.items() if k in model_keys}, data=data,
+    new = dict(cfg.to_dict(), model={k: v for k, v in args.items() if k in defaults}, data=data,
                init=dict(cfg.to_dict()["init"], sha256=digest))
     out = config_from_dict(new)
     lines = [f"{source.spec}: {source.describe}; the architecture comes from it (the model keys of {config.name} give way; a fine-tune "
