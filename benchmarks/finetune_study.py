@@ -5,7 +5,7 @@ sizes from the start (the main job's recipe), each with its training time.
 
     OMP_NUM_THREADS=1 nice python benchmarks/finetune_study.py --data shapes --seeds 0 1 2 --out /work/ft_study &   # two at a time:
     OMP_NUM_THREADS=1 nice python benchmarks/finetune_study.py --data shapes --seeds 0 1 2 --out /work/ft_study --shard 1/2 &
-    python benchmarks/finetune_study.py --report                           # the table (docs/finetune/table.md) from the record
+    python benchmarks/finetune_study.py --report                           # the tables (docs/finetune/table.md, finetune.md) from the record
     python benchmarks/finetune_study.py --smoke                            # seconds: the script still runs
 
 A row is (data, arm, seed). Arms: ``multi``, the dataset's config trained at every size of [16, 48] px (the main job's
@@ -16,22 +16,37 @@ source's, interpolated); ``pe-FAMILY``, ``one`` fine-tuned at 32 px to another P
 control). Every arm is evaluated at 32, 48 and 64 px on the full test set; ``one`` also by the patch and
 resize routes. Runs (checkpoints) go to OUT/runs, outside the repository; a finished run is reused, an interrupted one
 resumed. Each measured row is merged into docs/finetune/results.csv, the study's record, under a lock.
+
+Small data from a pretrained model (``--data fashion``; Debian's ``dataset-fashion-mnist``): two image folders written
+under OUT, ``fashion-pre`` (Fashion-MNIST's first five classes, 6,000 training images a class) and ``fashion-small``
+(the other five, 100 a class; 100 test images a class). Arms (TRANSFER_ARMS): ``pretrain``, configs/folder.yaml on
+fashion-pre; ``scratch-recipe``, configs/folder.yaml on the small folder as a user runs it; ``scratch``, the same for
+configs/finetune.yaml's steps (the fine-tune's wall time); ``probe``, ``ft``, ``ft-nold``, configs/finetune.yaml from
+``pretrain`` on the small folder with ``train.freeze=backbone``, as it is (layer decay 0.75), and with
+``train.layer_decay=1``. Every arm's top-1 is on its own folder's test images at 32 px.
+
+    OMP_NUM_THREADS=1 nice python benchmarks/finetune_study.py --data fashion --out /work/ft_study --shard 0/2 &   # and 1/2
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import csv
+import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
+from small_folders import read_idx
 from studykit import convergence, train_or_reuse
 
 from vitpe.checkpoint import checkpoint_config, load_checkpoint, model_from_checkpoint
+from vitpe.config import load_config
+from vitpe.data.datasets import FMNIST_CLASSES
 from vitpe.evaluation import dataset_of, evaluate_at
 
 try:
@@ -50,6 +65,12 @@ SIZES = (32, 48, 64)
 FIELDS = ("data", "arm", "seed", "train_time_s", "source_time_s", "steps", "converged", "route", "resolution", "n", "top1", "loss",
           "images_per_s", "feature_gap")
 TIMM_MODELS = ("vit_tiny_patch16_224", "vit_small_patch16_224")
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+TRANSFER_ARMS = ("pretrain", "scratch-recipe", "scratch", "probe", "ft", "ft-nold")
+# folder -> (Fashion-MNIST classes, training images a class, test images a class)
+FOLDERS = {"fashion-pre": (range(0, 5), 6000, 200), "fashion-small": (range(5, 10), 100, 100)}
+FOLDER_CONFIG, FINETUNE_CONFIG = ROOT / "configs" / "folder.yaml", ROOT / "configs" / "finetune.yaml"
+SHORT: List[str] = []  # --smoke: overrides that make every small-data run a few steps
 
 
 def arm_args(data: str, arm: str, seed: int, out: Path) -> List[str]:
@@ -65,15 +86,63 @@ def arm_args(data: str, arm: str, seed: int, out: Path) -> List[str]:
     return ["--init", str(source), *[a for s in sets for a in ("--set", s)]]
 
 
+def transfer_args(arm: str, seed: int, out: Path) -> List[str]:
+    """``train.py`` arguments of an arm of the small-data part (folders under ``out``)."""
+    seed_set = ["--set", f"train.seed={seed}", *SHORT]
+    if arm == "pretrain":
+        return ["--config", str(FOLDER_CONFIG), "--data", f"imagefolder:{out / 'fashion-pre'}", *seed_set]
+    small = ["--data", f"imagefolder:{out / 'fashion-small'}", *seed_set]
+    if arm == "scratch-recipe":
+        return ["--config", str(FOLDER_CONFIG), *small]
+    if arm == "scratch":  # the fine-tune's steps and warm-up: the same model and batch, so the same wall time
+        recipe = load_config(str(FINETUNE_CONFIG)).train
+        return ["--config", str(FOLDER_CONFIG), *small, "--set", f"train.steps={recipe.steps}", "--set", f"train.warmup_steps={recipe.warmup_steps}",
+                *SHORT]
+    sets = {"probe": ["train.freeze=backbone"], "ft": [], "ft-nold": ["train.layer_decay=1.0"]}[arm]
+    # the folder recipe's augmentation, as the scratch arms have it
+    return ["--init", str(out / "runs" / f"fashion-pretrain-seed{seed}"), *small, "--set", f"data.augment={load_config(str(FOLDER_CONFIG)).data.augment}",
+            *[a for s in sets for a in ("--set", s)]]
+
+
+def write_folders(out: Path, arrays: Dict[str, Tuple[np.ndarray, np.ndarray]]) -> None:
+    """FOLDERS under ``out`` as a user has them (a sub-folder of PNG files a class, train/ and test/) from ``arrays``
+    (split -> images, labels); each appears whole or not at all."""
+    from PIL import Image
+
+    for name, (classes, n_train, n_test) in FOLDERS.items():
+        root = out / name
+        if root.is_dir():
+            continue
+        part = root.with_name(name + ".partial")
+        shutil.rmtree(part, ignore_errors=True)
+        for split, per_class in (("train", n_train), ("test", n_test)):
+            x, y = arrays[split]
+            for c in classes:
+                folder = part / split / FMNIST_CLASSES[c].replace("/", "-")
+                folder.mkdir(parents=True)
+                for i in np.flatnonzero(y == c)[:per_class]:
+                    Image.fromarray(x[i]).save(folder / f"{i:05d}.png")
+        part.rename(root)
+
+
+def fashion_arrays() -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
+    if not FASHION.is_dir():
+        raise SystemExit(f"no Fashion-MNIST at {FASHION}: apt-get install dataset-fashion-mnist")
+    return {split: (read_idx(FASHION / f"{p}-images-idx3-ubyte"), read_idx(FASHION / f"{p}-labels-idx1-ubyte"))
+            for split, p in (("train", "train"), ("test", "t10k"))}
+
+
 def measure(run: Path, data: str, arm: str, seed: int, source: Optional[Path], test_size: Optional[int]) -> List[Dict]:
     model, state = model_from_checkpoint(run)
     cfg = checkpoint_config(state)
     ds = dataset_of(cfg, test_size=test_size)
     verdict = convergence(state["metrics"])
+    per_epoch = (cfg.data.train_size if data in CONFIGS else len(ds.split(True)[1])) // cfg.train.batch_size  # a folder: all it holds
     base = {"data": data, "arm": arm, "seed": seed, "train_time_s": verdict["train_time_s"], "converged": verdict["converged"],
             "source_time_s": convergence(load_checkpoint(source)["metrics"])["train_time_s"] if source else 0.0,
-            "steps": cfg.train.epochs * ((cfg.data.train_size or 0) // cfg.train.batch_size)}
-    plan = [("interpolate", "coords", (s, s)) for s in SIZES]
+            "steps": cfg.train.epochs * per_epoch}
+    sizes = SIZES if data in CONFIGS else (cfg.model.img_size,)  # a folder's model at its own size
+    plan = [("interpolate", "coords", (s, s)) for s in sizes]
     if arm == "one":
         plan += [("interpolate", route, (s, s)) for s in SIZES[1:] for route in ("patch", "resize")]
     rows = []
@@ -186,6 +255,26 @@ def table(rows: List[Dict], data: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+TRANSFER_WHAT = {"pretrain": "the source: configs/folder.yaml on fashion-pre (its own 5 classes)",
+                 "scratch-recipe": "from scratch: configs/folder.yaml on the small folder", "scratch": "from scratch, the fine-tune's steps",
+                 "probe": "--init the source, train.freeze=backbone", "ft": "--init the source (layer decay 0.75)",
+                 "ft-nold": "--init the source, train.layer_decay=1"}
+
+
+def transfer_table(rows: List[Dict]) -> str:
+    """The small-data part: each arm's top-1 (%) on its folder's test images and its training minutes, mean ± sd over seeds."""
+    lines = ["| fashion: arm | what it is | seeds | steps | training min (its own + the source's) | top-1 at 32 px |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for arm in TRANSFER_ARMS:
+        mine = [r for r in rows if (r["data"], r["arm"]) == ("fashion", arm)]
+        if mine:
+            minutes = mean_sd([(r["train_time_s"] + r["source_time_s"]) / 60 for r in mine])
+            own = mean_sd([r["train_time_s"] / 60 for r in mine])
+            lines.append(f"| {arm} | {TRANSFER_WHAT[arm]} | {len(mine)} | {mine[0]['steps']:,} | {minutes} ({own} own) | "
+                         f"{mean_sd([100 * r['top1'] for r in mine])} |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
 def timm_table(rows: List[Dict]) -> str:
     speed = [r for r in rows if r["route"] == "speed"]
     if not speed:
@@ -197,27 +286,50 @@ def timm_table(rows: List[Dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report(path: Path = RECORD) -> str:
+def with_tables(page: str, tables: str) -> str:
+    """``page`` with each of its tables replaced by the one of ``tables`` whose first cell is the same (a table is a
+    block of lines that start with ``|``)."""
+    new = {block.split(" |", 1)[0]: block for block in tables.strip().split("\n\n")}
+    out, lines = [], page.split("\n")
+    i = 0
+    while i < len(lines):
+        head = lines[i].split(" |", 1)[0]
+        if lines[i].startswith("| ") and head in new:
+            out.append(new[head])
+            while i < len(lines) and lines[i].startswith("|"):
+                i += 1
+            continue
+        out.append(lines[i])
+        i += 1
+    return "\n".join(out)
+
+
+def report(path: Path = RECORD, page: Optional[Path] = None) -> str:
+    """The tables of the record at ``path``, written beside it (table.md) and, where ``page`` is given, in place of
+    that page's tables of the same name."""
     rows = load_results(path)
-    text = "".join(table(rows, d) + "\n" for d in CONFIGS if any(r["data"] == d for r in rows)) + timm_table(rows)
+    text = "".join(table(rows, d) + "\n" for d in CONFIGS if any(r["data"] == d for r in rows))
+    text += "".join(t + "\n" for t in (transfer_table(rows), timm_table(rows)) if t)
     (path.parent / "table.md").write_text(text)
+    if page is not None:
+        page.write_text(with_tables(page.read_text(), text))
     return text
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    global CONFIGS, FT_IMAGES  # --smoke shrinks them
+    global CONFIGS, FT_IMAGES, FOLDERS, FOLDER_CONFIG, SHORT  # --smoke shrinks them
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", choices=list(CONFIGS), default="shapes")
-    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    p.add_argument("--data", choices=[*CONFIGS, "fashion"], default="shapes", help="fashion: the small-data part")
+    p.add_argument("--arms", nargs="+", choices=ARMS + TRANSFER_ARMS, help="default: every arm of the --data's part")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--out", type=Path, default=Path("/tmp/vitpe-finetune-study"), help="where runs (checkpoints) go, outside the repository")
     p.add_argument("--shard", default="0/1", help="K/N: this process takes every N-th row from the K-th (fine-tunes after their source)")
     p.add_argument("--timm", action="store_true", help="the timm models' fine-tuning speed (TIMM_MODELS), then stop")
-    p.add_argument("--report", action="store_true", help="regenerate docs/finetune/table.md from the record, then stop")
+    p.add_argument("--report", action="store_true", help="regenerate docs/finetune/table.md and docs/finetune.md's tables from the record, then stop")
     p.add_argument("--smoke", action="store_true", help="a tiny version of every arm, recorded beside --out, in seconds")
     args = p.parse_args(argv)
     if args.report:
-        print(report())
+        print(report(page=ROOT / "docs" / "finetune.md"))
         return 0
     record, test_size = RECORD, None
     if args.timm:
@@ -227,28 +339,42 @@ def main(argv: Optional[List[str]] = None) -> int:
             with locked(record):
                 save_results([r for r in load_results(record) if r["arm"] != row["arm"]] + [row], record)
         return 0
+    transfer = args.data == "fashion"
+    arms, sources = (TRANSFER_ARMS, ("pretrain",)) if transfer else (ARMS, ("one", "multi"))
+    wrong = [a for a in args.arms or [] if a not in arms]
+    if wrong:
+        p.error(f"--arms {' '.join(wrong)}: not an arm of --data {args.data} ({', '.join(arms)})")
+    chosen = args.arms or list(arms)
     if args.smoke:
         CONFIGS = {d: ROOT / "configs" / "tiny.yaml" for d in CONFIGS}
         FT_IMAGES = {k: 256 for k in FT_IMAGES}
-        record, test_size = args.out / "results.csv", 64
+        FOLDERS = {k: (v[0], 24, 4) for k, v in FOLDERS.items()}
+        FOLDER_CONFIG, SHORT = ROOT / "configs" / "tiny.yaml", ["--set", "train.steps=4", "--set", "train.warmup_steps=1"]
+        record, test_size = args.out / "results.csv", None if transfer else 64
+    if transfer:
+        gen = np.random.default_rng(0)  # --smoke: folders of noise, for the mechanics
+        with locked(args.out / "folders"):  # the first of the N processes writes them
+            write_folders(args.out, fashion_arrays() if not args.smoke else
+                          {s: (gen.integers(0, 256, (240, 28, 28), dtype=np.uint8), np.arange(240) % 10) for s in ("train", "test")})
+    args_of = (lambda arm, seed: transfer_args(arm, seed, args.out)) if transfer else (lambda arm, seed: arm_args(args.data, arm, seed, args.out))
     k, n = (int(x) for x in args.shard.split("/"))
-    # every source first, then the fine-tunes, dealt in turn to the N processes; one that reaches a fine-tune whose
+    # every source first, then the other arms, dealt in turn to the N processes; one that reaches a fine-tune whose
     # source another process is still training waits for it
-    todo: List[Tuple[str, int]] = [(arm, s) for s in args.seeds for arm in ("one", "multi") if arm in args.arms]
-    todo += [(arm, s) for s in args.seeds for arm in ARMS[2:] if arm in args.arms]
+    todo: List[Tuple[str, int]] = [(arm, s) for s in args.seeds for arm in sources if arm in chosen]
+    todo += [(arm, s) for s in args.seeds for arm in arms if arm in chosen and arm not in sources]
     for arm, seed in [t for i, t in enumerate(todo) if i % n == k]:
         with locked(record):
             if measured(load_results(record), args.data, arm, seed):
                 print(f"[{args.data} {arm} seed {seed}] in the record already")
                 continue
         name = f"{args.data}-{arm}-seed{seed}"
-        source = None if arm in ("multi", "one") else args.out / "runs" / f"{args.data}-one-seed{seed}"
+        source = None if arm in sources or arm.startswith("scratch") else args.out / "runs" / f"{args.data}-{sources[0]}-seed{seed}"
         if source is not None and not source.is_dir():
-            train_or_reuse(source, arm_args(args.data, "one", seed, args.out), source.name)
+            train_or_reuse(source, args_of(sources[0], seed), source.name)
         while source is not None and not finished(source):
             print(f"[{name}] waiting for its source {source} to finish training", flush=True)
             time.sleep(30)
-        run = train_or_reuse(args.out / "runs" / name, arm_args(args.data, arm, seed, args.out), name)
+        run = train_or_reuse(args.out / "runs" / name, args_of(arm, seed), name)
         rows = measure(run, args.data, arm, seed, source, test_size)
         with locked(record):
             save_results([r for r in load_results(record) if (r["data"], r["arm"], r["seed"]) != (args.data, arm, seed)] + rows, record)

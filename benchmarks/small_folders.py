@@ -54,7 +54,8 @@ def make_digits(out: Path) -> None:
         Image.fromarray(pixels).resize((32, 32), Image.BICUBIC).convert("RGB").save(folder / f"{i:04d}.png")
 
 
-def _idx(path: Path) -> np.ndarray:
+def read_idx(path: Path) -> np.ndarray:
+    """An IDX file (MNIST's and Fashion-MNIST's format), or its ``.gz``, as an array."""
     raw = gzip.open(f"{path}.gz").read() if not path.exists() else path.read_bytes()
     dims = raw[3]
     shape = [int.from_bytes(raw[4 + 4 * k: 8 + 4 * k], "big") for k in range(dims)]
@@ -67,7 +68,7 @@ def make_fashion(out: Path, source: Path = Path("/usr/share/datasets/fashion-mni
     from vitpe.data.datasets import FMNIST_CLASSES
 
     for split, prefix, per_class in (("train", "train", 300), ("test", "t10k", 100)):
-        x, y = _idx(source / f"{prefix}-images-idx3-ubyte"), _idx(source / f"{prefix}-labels-idx1-ubyte")
+        x, y = read_idx(source / f"{prefix}-images-idx3-ubyte"), read_idx(source / f"{prefix}-labels-idx1-ubyte")
         for c, name in enumerate(FMNIST_CLASSES):
             folder = out / split / name.replace("/", "-")
             folder.mkdir(parents=True, exist_ok=True)

@@ -739,3 +739,26 @@ def test_finetune_study_smoke(tmp_path):
     assert load_checkpoint(tmp_path / "runs" / "shapes-ft64keep-seed0")["config"]["model"]["img_size"] == 16
     assert study.main(["--smoke", "--out", str(tmp_path), "--seeds", "0"]) == 0  # nothing left to do
     assert "| shapes: arm (route) |" in study.table(rows, "shapes") and "| ft64 (coords) | 1 |" in study.table(rows, "shapes")
+
+
+def test_finetune_study_small_data_smoke(tmp_path):
+    """The small-data part on tiny runs: the two image folders written once (other classes in each), the source
+    trained on the first, every arm on the second from it or from scratch with the arm's recipe, each measured on its
+    folder's test images into the record, which the report reads back."""
+    study = load_benchmark("finetune_study")
+    assert study.main(["--smoke", "--data", "fashion", "--out", str(tmp_path), "--seeds", "0", "--shard", "0/1"]) == 0
+    pre, small = ({p.name for p in (tmp_path / name / "train").iterdir()} for name in ("fashion-pre", "fashion-small"))
+    assert len(pre) == len(small) == 5 and not pre & small
+    assert len(list((tmp_path / "fashion-small" / "train" / "Bag").iterdir())) == 24
+    rows = study.load_results(tmp_path / "results.csv")
+    assert sorted(r["arm"] for r in rows) == sorted(study.TRANSFER_ARMS) and {r["resolution"] for r in rows} == {16}
+    cfg = {arm: load_checkpoint(tmp_path / "runs" / f"fashion-{arm}-seed0")["config"] for arm in study.TRANSFER_ARMS}
+    assert cfg["probe"]["train"]["freeze"] == "backbone" and cfg["ft"]["train"]["layer_decay"] == 0.75
+    assert cfg["ft-nold"]["train"]["layer_decay"] == 1.0 and cfg["ft"]["data"]["augment"] == cfg["scratch"]["data"]["augment"]
+    assert cfg["ft"]["init"]["source"] == str(tmp_path / "runs" / "fashion-pretrain-seed0") and not cfg["scratch"]["init"]["source"]
+    assert all(r["source_time_s"] > 0 for r in rows if r["arm"] in ("probe", "ft", "ft-nold"))
+    assert all(r["source_time_s"] == 0 for r in rows if r["arm"] in ("pretrain", "scratch", "scratch-recipe"))
+    table = study.transfer_table(rows)
+    assert all(f"| {arm} | {study.TRANSFER_WHAT[arm]} | 1 |" in table for arm in study.TRANSFER_ARMS)
+    with pytest.raises(SystemExit):  # an arm of the other part
+        study.main(["--smoke", "--data", "fashion", "--out", str(tmp_path), "--arms", "ft64"])

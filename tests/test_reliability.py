@@ -393,6 +393,13 @@ def test_a_study_reuses_a_run_only_when_its_config_is_the_one_asked_for():
     stored["train"]["budget_min"] = asked["train"]["budget_min"] = 3.0
     stored["train"]["epochs"], asked["train"]["lr"], asked["model"]["coord_aug"] = 7, stored["train"]["lr"], stored["model"]["coord_aug"]
     assert config_changes(stored, asked) == []
+    # A train.steps run (a fine-tune's recipe) records the epochs and warm-up its steps came to on its data.
+    stored["train"]["budget_min"] = asked["train"]["budget_min"] = None
+    stored["train"]["steps"] = asked["train"]["steps"] = 160
+    stored["train"]["epochs"], stored["train"]["warmup_epochs"] = 1, 0.1
+    assert config_changes(stored, asked) == []
+    asked["train"]["steps"] = 320
+    assert config_changes(stored, asked) == ["train.steps: 160 -> 320"]
 
 
 def test_a_study_run_killed_before_its_first_checkpoint_is_resumed_and_one_from_another_recipe_refused(tmp_path, capsys):

@@ -174,11 +174,14 @@ class TensorBoardLog:
 
 def config_changes(stored: Dict[str, Any], wanted: Dict[str, Any], prefix: str = "") -> List[str]:
     """``key: stored -> wanted`` for every config value (nested dicts flattened to dotted keys) that differs; the run's
-    name and place are not part of what it trained, and a ``train.budget_min`` run's epochs are its budget's decision."""
+    name and place are not part of what it trained, a ``train.budget_min`` run's epochs are its budget's decision, and a
+    ``train.steps`` run's epochs and warm-up are what its steps came to on its data (train.py writes them at the start)."""
     out = []
     for key in dict.fromkeys([*stored, *wanted]):
         dotted, a, b = prefix + key, stored.get(key), wanted.get(key)
-        if dotted in ("name", "out_dir") or (dotted == "train.epochs" and wanted.get("budget_min") is not None):
+        decided = (wanted.get("budget_min") is not None and dotted == "train.epochs") or \
+            (wanted.get("steps") is not None and dotted in ("train.epochs", "train.warmup_epochs"))
+        if dotted in ("name", "out_dir") or decided:
             continue
         if not prefix and isinstance(a, dict) and isinstance(b, dict):  # a section: model, data, train
             out += config_changes(a, b, dotted + ".")
