@@ -103,6 +103,15 @@ def test_the_export_command_writes_onnx_and_timms_layout_from_a_run_with_the_wei
     x = torch.randn(2, 3, 24, 32)
     with torch.no_grad():
         assert torch.equal(vitpe.from_pretrained(tmp_path / "hf")(x), ema(x))
+    # the graph carries what its images need: the run's normalization and classes, as the timm layout does
+    import json
+
+    import onnxruntime
+
+    meta = {k: json.loads(v) for k, v in onnxruntime.InferenceSession(str(tmp_path / "ema.onnx")).get_modelmeta().custom_metadata_map.items()}
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert meta["mean"] == config["pretrained_cfg"]["mean"] and meta["std"] == config["pretrained_cfg"]["std"] != [0.5] * 3
+    assert meta["label_names"] == config["label_names"] and meta["input_size"] == [3, 16, 16]
     assert export_main([str(run), "--onnx", str(tmp_path / "ema.onnx")]) == 2  # exists: kept, one line
     assert "exists; pass overwrite=True (--overwrite)" in capsys.readouterr().err
     with pytest.raises(SystemExit):

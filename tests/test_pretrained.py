@@ -1,6 +1,7 @@
 """timm's file layout (vitpe.save_pretrained / vitpe.from_pretrained): config.json + model.safetensors, loaded back by
 vitpe and by timm.create_model("vitpe_vit", pretrained=True, ...) as the same model; bad files are one line each."""
 import json
+from pathlib import Path
 
 import pytest
 import timm
@@ -70,3 +71,69 @@ def test_bad_folders_and_files_are_one_line_each(tmp_path):
     (d / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model.safetensors does not exist"):
         vitpe.from_pretrained(d)
+
+
+def test_an_exported_run_carries_its_preprocessing_and_classes_through_timms_data_config(tmp_path, capsys):
+    """`python -m vitpe.export RUN --hf DIR` writes the run's own normalization (shapes: std about 0.28, not timm's 0.5)
+    and class names; timm's own loader (local-dir:) and data config (resolve_data_config) then score the run's test
+    images exactly as the run does, and vitpe.from_pretrained gives the same back."""
+    from timm.data import resolve_data_config
+
+    from vitpe import training
+    from vitpe.checkpoint import checkpoint_config, model_from_checkpoint
+    from vitpe.engine import evaluate
+    from vitpe.evaluation import dataset_of
+    from vitpe.export import main as export_main
+
+    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    assert training.main(["--config", tiny, "--out-dir", str(tmp_path), "--name", "run", "--epochs", "2"]) == 0
+    assert export_main([str(tmp_path / "run"), "--hf", str(tmp_path / "hf")]) == 0
+    model, state = model_from_checkpoint(tmp_path / "run")
+    data = state["data"]
+    assert max(data["std"]) < 0.4  # the case that matters: far from timm's 0.5
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["label_names"] == data["classes"] and config["pretrained_cfg"]["input_size"] == [3, 16, 16]
+    theirs = timm.create_model(f"local-dir:{tmp_path / 'hf'}", pretrained=True).eval()
+    prep = resolve_data_config({}, model=theirs)
+    assert prep["mean"] == pytest.approx(tuple(data["mean"])) and prep["std"] == pytest.approx(tuple(data["std"]))
+    assert prep["input_size"] == (3, 16, 16) and prep["interpolation"] == "bicubic" and prep["crop_pct"] == 1.0
+    x, y = dataset_of(checkpoint_config(state)).split(False)
+    m, s = torch.tensor(prep["mean"]).view(1, -1, 1, 1), torch.tensor(prep["std"]).view(1, -1, 1, 1)
+    with torch.no_grad():
+        timm_top1 = (theirs((x.float() / 255 - m) / s).argmax(1) == y).float().mean().item()
+    assert timm_top1 == pytest.approx(evaluate(model, x, y, data["mean"], data["std"])["top1"], abs=1e-6)
+    back = vitpe.from_pretrained(tmp_path / "hf")
+    assert back.pretrained_cfg["label_names"] == data["classes"] and back.pretrained_cfg["std"] == pytest.approx(data["std"])
+    # predict takes the exported folder as it takes the run: the same classes and probabilities
+    from PIL import Image
+
+    from vitpe.predict import main as predict_main
+
+    files = []
+    for i in range(3):
+        files.append(str(tmp_path / f"{i}.png"))
+        Image.fromarray(x[i].permute(1, 2, 0).numpy()).save(files[-1])
+    capsys.readouterr()
+    outputs = []
+    for source in (tmp_path / "run", tmp_path / "hf"):
+        assert predict_main([*files, "--run", str(source), "--json"]) == 0
+        outputs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+    assert outputs[0] == outputs[1] and outputs[0][0]["top"][0]["class"] in data["classes"]
+
+
+def test_the_shipped_files_are_checked_and_readable(tmp_path):
+    """config.json records the weights' sha256: a flipped bit is one line, not a silently different model; both files
+    get the user's usual permissions; names and normalization given in Python are written, wrong lengths refused."""
+    d = vitpe.save_pretrained(small(), tmp_path / "m", mean=[0.1, 0.2, 0.3], std=[0.2] * 3, label_names=list("abcde"))
+    config = json.loads((d / "config.json").read_text())
+    assert config["pretrained_cfg"]["mean"] == [0.1, 0.2, 0.3] and config["label_names"] == list("abcde")
+    assert (d / "model.safetensors").stat().st_mode & 0o777 == (d / "config.json").stat().st_mode & 0o777
+    assert vitpe.from_pretrained(d).pretrained_cfg["label_names"] == list("abcde")
+    weights = bytearray((d / "model.safetensors").read_bytes())
+    weights[-3] ^= 0x10  # inside the last tensor: the file still parses
+    (d / "model.safetensors").write_bytes(bytes(weights))
+    with pytest.raises(CheckpointError, match="sha256 differs from the recorded .*export the model again"):
+        vitpe.from_pretrained(d)
+    with pytest.raises(ValueError, match="label_names has 2 values and the model has 5 classes"):
+        vitpe.save_pretrained(small(), tmp_path / "n", label_names=["a", "b"])
+    assert not (tmp_path / "n").exists()

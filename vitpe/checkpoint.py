@@ -153,6 +153,20 @@ def checkpoint_config(state: Dict[str, Any]):
         raise CheckpointError(f"the checkpoint's config is not one this vitpe reads ({e})") from None
 
 
+def shipped_cfg(model: VisionTransformer, data: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """timm's ``pretrained_cfg`` of ``model`` trained on ``data`` (a run's dataset description): the input size, resize
+    interpolation and normalization its images need, and (timm's ``label_names``) the classes its head predicts. timm's
+    data config (``timm.data.resolve_data_config``) reads it; without ``data`` the normalization is timm's 0.5 default."""
+    chans = model.in_chans
+    cfg: Dict[str, Any] = {"input_size": [chans, *model.img_size], "crop_pct": 1.0, "interpolation": "bicubic",  # vitpe's resize
+                           "mean": [0.5] * chans, "std": [0.5] * chans, "first_conv": "patch_embed", "classifier": None}
+    if data is not None:
+        cfg.update(mean=[float(v) for v in data["mean"]], std=[float(v) for v in data["std"]])
+        if data.get("classes") and len(data["classes"]) == model.num_classes:
+            cfg["label_names"] = [str(c) for c in data["classes"]]
+    return cfg
+
+
 def model_from_checkpoint(
     path: Union[str, Path], map_location: Any = "cpu", ema: bool = True, verify: bool = True
 ) -> Tuple[VisionTransformer, Dict[str, Any]]:
@@ -164,6 +178,7 @@ def model_from_checkpoint(
         raise CheckpointError(f"checkpoint {path} describes a model this vitpe cannot build ({e})") from None
     weights = state["ema"] if ema and state.get("ema") is not None else state["model"]
     load_model_state(model, weights, str(path))
+    model.pretrained_cfg = shipped_cfg(model, state.get("data"))  # what save_pretrained and export write with it
     return model.eval(), state
 
 

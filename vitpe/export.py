@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 import torch
 
 from .checkpoint import CheckpointError, model_from_checkpoint
+from .pretrained import preprocessing
 from .vit import VisionTransformer
 
 __all__ = ["export_onnx", "onnx_errors", "onnx_refusal", "ONNX_OPSET"]
@@ -71,9 +73,23 @@ def export_onnx(model: VisionTransformer, path: Union[str, Path], *, opset: int 
     finally:
         model.train(was_training)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(buffer.getvalue())
+    tmp.write_bytes(_with_metadata(buffer.getvalue(), model))
     tmp.replace(path)
     return path
+
+
+def _with_metadata(graph: bytes, model: VisionTransformer) -> bytes:
+    """The ONNX file with what its images need as metadata (onnxruntime: ``session.get_modelmeta().custom_metadata_map``),
+    each value JSON: ``input_size``, ``interpolation``, ``crop_pct``, ``mean``, ``std`` and, where known, ``label_names``,
+    as :func:`vitpe.save_pretrained` writes them."""
+    import onnx
+
+    proto = onnx.load_from_string(graph)
+    for key, value in preprocessing(model).items():
+        if key not in ("first_conv", "classifier"):
+            entry = proto.metadata_props.add()
+            entry.key, entry.value = key, json.dumps(value)
+    return proto.SerializeToString()
 
 
 def onnx_errors(model: VisionTransformer, path: Union[str, Path], sizes: Sequence[Tuple[int, int]], batch: int = 2,

@@ -5,7 +5,8 @@
 
 Each image is read as the run's data was (RGB, or grayscale for 1-channel data), resized to the training size
 (or ``--size``, any multiple of the patch size, ``HxW`` for non-square), normalised with the dataset's statistics
-and classified by the run's EMA weights when it kept them (``--no-ema``: the raw ones).
+and classified by the run's EMA weights when it kept them (``--no-ema``: the raw ones). ``--run`` may also be a
+folder ``python -m vitpe.export --hf`` wrote: it carries the run's normalization and class names.
 """
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .checkpoint import model_from_checkpoint
+from .checkpoint import CHECKPOINT_NAME, model_from_checkpoint
 from .data.augment import normalize
 from .data.images import open_image
 from .engine import memory_plan
 from .errors import run_cli
+from .pretrained import CONFIG_FILE, from_pretrained
 
-__all__ = ["read_images", "predict", "main"]
+__all__ = ["read_images", "predict", "shipped_model", "main"]
 
 
 def read_images(paths: Sequence[str], in_chans: int, size: Tuple[int, int]) -> Tensor:
@@ -39,6 +41,19 @@ def read_images(paths: Sequence[str], in_chans: int, size: Tuple[int, int]) -> T
         im = rgb if in_chans == 3 else rgb.convert("L")
         out.append(pil_to_tensor(im.resize(size[::-1], Image.BICUBIC)))
     return torch.stack(out)
+
+
+def shipped_model(path: str, ema: bool = True) -> Tuple[torch.nn.Module, Dict]:
+    """The model at ``path`` (a run, its checkpoint, or a folder :func:`vitpe.save_pretrained` or ``python -m
+    vitpe.export --hf`` wrote) and how its images are read: ``in_chans``, ``mean``, ``std``, ``classes`` (an exported
+    folder without names: the head's row numbers)."""
+    if (Path(path) / CONFIG_FILE).is_file() and not (Path(path) / CHECKPOINT_NAME).is_file():
+        model = from_pretrained(path)
+        cfg = model.pretrained_cfg
+        classes = cfg.get("label_names") or [str(i) for i in range(model.num_classes)]
+        return model, {"in_chans": model.in_chans, "mean": cfg["mean"], "std": cfg["std"], "classes": classes}
+    model, state = model_from_checkpoint(path, ema=ema)
+    return model, state["data"]
 
 
 @torch.no_grad()
@@ -74,7 +89,8 @@ def top_count(text: str) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vitpe.predict", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("images", nargs="*", metavar="IMAGE", help="image files (a name that starts with '-': put -- before it, or ./-name.png)")
-    p.add_argument("--run", required=True, metavar="RUN_DIR_OR_CHECKPOINT", help="the trained run (runs/NAME) or its checkpoint.pt")
+    p.add_argument("--run", required=True, metavar="RUN_OR_EXPORT", help="the trained run (runs/NAME), its checkpoint.pt, or a folder "
+                   "python -m vitpe.export --hf wrote")
     p.add_argument("--size", type=parse_size, metavar="N|HxW", help="input size (default: the training size)")
     p.add_argument("--top", type=top_count, default=3, help="classes to show per image (default 3)")
     p.add_argument("--no-ema", action="store_true", help="the raw weights even if the run kept an EMA")
@@ -87,8 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.images += files
     if not args.images:
         p.error("give at least one image file")
-    model, state = model_from_checkpoint(args.run, ema=not args.no_ema)
-    data: Dict = state["data"]
+    model, data = shipped_model(args.run, ema=not args.no_ema)
     size = args.size or tuple(model.img_size)
     model.grid_size(size)  # one clear line for a size that is not a multiple of the patch size
     batch = memory_plan(model, [(size, None)], 64, torch.device("cpu"), str(args.run), model.img_size)[size]  # refuses a size that cannot fit

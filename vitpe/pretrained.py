@@ -8,16 +8,17 @@ arguments) and ``model.safetensors`` (its weights), which :func:`from_pretrained
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
-from .checkpoint import CheckpointError, load_model_state, non_finite
+from .checkpoint import CheckpointError, load_model_state, non_finite, shipped_cfg
 from .timm_models import GENERIC as ARCHITECTURE  # the timm name of a vitpe ViT built from its model_args
 from .vit import VisionTransformer
 
-__all__ = ["ARCHITECTURE", "CONFIG_FILE", "WEIGHTS_FILE", "save_pretrained", "from_pretrained"]
+__all__ = ["ARCHITECTURE", "CONFIG_FILE", "WEIGHTS_FILE", "save_pretrained", "from_pretrained", "preprocessing"]
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -30,10 +31,17 @@ def _json_args(model: VisionTransformer) -> Dict[str, Any]:
         raise ValueError(f"this model's arguments cannot be written as JSON ({e}); build it from plain values") from None
 
 
-def save_pretrained(model: VisionTransformer, directory: Union[str, Path], overwrite: bool = False) -> Path:
+def save_pretrained(model: VisionTransformer, directory: Union[str, Path], overwrite: bool = False, *,
+                    mean: Optional[Sequence[float]] = None, std: Optional[Sequence[float]] = None,
+                    label_names: Optional[Sequence[str]] = None) -> Path:
     """Write ``model`` in timm's layout: ``DIR/config.json`` (``architecture``, ``num_classes``, ``num_features``,
-    ``model_args``, ``pretrained_cfg``) and ``DIR/model.safetensors``. Each file is written whole or not at all; an
-    existing one is kept unless ``overwrite=True``. Returns the folder."""
+    ``model_args``, ``pretrained_cfg``, ``label_names``, ``weights_sha256``) and ``DIR/model.safetensors``.
+
+    ``pretrained_cfg`` says how images must be prepared (input size, bicubic resize, ``mean``/``std``) and
+    ``label_names`` what the head predicts: by default what the model carries (a model read from a run carries its
+    run's, see :func:`vitpe.checkpoint.model_from_checkpoint`), else the arguments; without either, timm's 0.5
+    normalization and no names. Each file is written whole or not at all; an existing one is kept unless
+    ``overwrite=True``. Returns the folder."""
     from safetensors.torch import save_file
 
     if not isinstance(model, VisionTransformer):
@@ -47,19 +55,54 @@ def save_pretrained(model: VisionTransformer, directory: Union[str, Path], overw
     if bad:
         raise ValueError(f"the model holds non-finite weights ({bad[0]}): nothing was written")
     args = _json_args(model)
-    config = {
-        "architecture": ARCHITECTURE, "num_classes": model.num_classes, "num_features": model.embed_dim, "model_args": args,
-        "pretrained_cfg": {"input_size": [model.in_chans, *model.img_size], "crop_pct": 1.0, "interpolation": "bicubic",
-                           "mean": [0.5] * model.in_chans, "std": [0.5] * model.in_chans, "first_conv": "patch_embed", "classifier": None},
-    }
+    cfg = preprocessing(model, mean, std, label_names)
+    config = {"architecture": ARCHITECTURE, "num_classes": model.num_classes, "num_features": model.embed_dim, "model_args": args,
+              "pretrained_cfg": {k: v for k, v in cfg.items() if k != "label_names"},
+              **({"label_names": cfg["label_names"]} if "label_names" in cfg else {})}
     out.mkdir(parents=True, exist_ok=True)
+    mode = 0o666 & ~_umask()  # safetensors writes 0600; the folder's files are as readable as any the user writes
     tmp = out / f".{WEIGHTS_FILE}.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, mode)
+    config["weights_sha256"] = _sha256(tmp)
     os.replace(tmp, out / WEIGHTS_FILE)
     tmp = out / f".{CONFIG_FILE}.tmp"
     tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.chmod(tmp, mode)
     os.replace(tmp, out / CONFIG_FILE)
     return out
+
+
+def preprocessing(model: VisionTransformer, mean: Optional[Sequence[float]] = None, std: Optional[Sequence[float]] = None,
+                  label_names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """timm's ``pretrained_cfg`` (with ``label_names``) that ships with ``model``: what it carries, the arguments given
+    over it, the input size always its own. A wrong length is a ``ValueError`` line."""
+    cfg = shipped_cfg(model)
+    carried = getattr(model, "pretrained_cfg", None) or {}
+    cfg.update({k: list(carried[k]) if isinstance(carried[k], (list, tuple)) else carried[k]
+                for k in ("mean", "std", "interpolation", "crop_pct", "label_names") if carried.get(k) is not None})
+    for key, value, n in (("mean", mean, model.in_chans), ("std", std, model.in_chans), ("label_names", label_names, model.num_classes)):
+        if value is not None:
+            if len(value) != n:
+                raise ValueError(f"{key} has {len(value)} values and the model has {n} {'classes' if key == 'label_names' else 'input channels'}")
+            cfg[key] = [str(v) for v in value] if key == "label_names" else [float(v) for v in value]
+    if len(cfg.get("label_names", [])) != model.num_classes:  # names of another head (reset_classifier since)
+        cfg.pop("label_names", None)
+    return cfg
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def from_pretrained(directory: Union[str, Path], map_location: Any = "cpu") -> VisionTransformer:
@@ -88,8 +131,14 @@ def from_pretrained(directory: Union[str, Path], map_location: Any = "cpu") -> V
         state = load_file(str(d / WEIGHTS_FILE), device=str(map_location) if map_location is not None else "cpu")
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{d / WEIGHTS_FILE} is not a readable safetensors file ({str(e)[:120]}); it may be truncated: write it again") from None
+    recorded = config.get("weights_sha256")
+    if recorded is not None and _sha256(d / WEIGHTS_FILE) != recorded:
+        raise CheckpointError(f"{d / WEIGHTS_FILE} is not the file {CONFIG_FILE} was written with (its sha256 differs from the "
+                              f"recorded {str(recorded)[:12]}...): it was changed or damaged; export the model again")
     bad = non_finite(state)
     if bad:
         raise CheckpointError(f"{d / WEIGHTS_FILE} holds non-finite weights ({bad[0]})")
     load_model_state(model, state, str(d / WEIGHTS_FILE))
+    shipped = config.get("pretrained_cfg") if isinstance(config.get("pretrained_cfg"), dict) else {}
+    model.pretrained_cfg = dict(shipped, **({"label_names": config["label_names"]} if config.get("label_names") else {}))
     return model.to(map_location).eval()
