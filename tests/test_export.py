@@ -116,3 +116,95 @@ def test_the_export_command_writes_onnx_and_timms_layout_from_a_run_with_the_wei
     assert "exists; pass overwrite=True (--overwrite)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         export_main([str(run)])  # nothing asked for
+
+
+@pytest.mark.parametrize("kw", [{"norm_layer": "rmsnorm"}, {"content_keep": 0.5}])
+def test_valid_models_once_refused_export_and_agree_at_any_size(kw, tmp_path):
+    """rmsnorm (no RMS norm in opset 17: once 220 lines of IR on stdout) and content_keep < 1 (once a TypeError from
+    round): both export, and the graph keeps the same patches and values as PyTorch at sizes it was not traced at."""
+    m = model("sincos2d", **kw)
+    x = torch.rand(2, 3, 32, 24)
+    x[:, :, 8:20, 4:16] += 2.0  # content in the middle, background at the border: content_keep picks real patches
+    errors = vitpe.onnx_errors(m, vitpe.export_onnx(m, tmp_path / "m.onnx"), SIZES)
+    assert max(errors.values()) <= 1e-4, errors
+    import onnxruntime
+
+    with torch.no_grad():
+        want = m(x)
+    got = onnxruntime.InferenceSession(str(tmp_path / "m.onnx")).run(None, {"images": x.numpy()})[0]
+    assert torch.allclose(torch.from_numpy(got), want, atol=1e-4)
+
+
+def test_the_graph_and_its_checker_refuse_what_pytorch_refuses(tmp_path):
+    """An input whose sides are not multiples of the patch size: PyTorch refuses it, and the graph once answered for its
+    top-left crop; now the runtime refuses it. bf16 and fp64 models (graphs onnxruntime rejects or cannot run), a batch
+    of 0 and another model's file are one line each."""
+    import numpy as np
+    import onnxruntime
+
+    m = model("rope_mixed")
+    path = vitpe.export_onnx(m, tmp_path / "m.onnx")
+    session = onnxruntime.InferenceSession(str(path))
+    assert session.run(None, {"images": np.zeros((1, 3, 16, 20), np.float32)})[0].shape == (1, 5)
+    with pytest.raises(Exception, match="Reshape"):
+        session.run(None, {"images": np.zeros((1, 3, 17, 23), np.float32)})
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float64, "float64")):
+        with pytest.raises(ValueError, match=f"^the model's weights are {name}; ONNX export takes float32: export model.float"):
+            vitpe.export_onnx(model("sincos2d").to(dtype), tmp_path / f"{name}.onnx")
+        assert not (tmp_path / f"{name}.onnx").exists()
+    with pytest.raises(ValueError, match="at least one image per batch, got batch=0"):
+        vitpe.onnx_errors(m, path, [(16, 16)], batch=0)
+    other = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=3, in_chans=1).eval()
+    with pytest.raises(ValueError, match="does not run on this model's input .* is it this model's file"):
+        vitpe.onnx_errors(other, path, [(16, 16)])
+    three = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=3).eval()
+    with pytest.raises(ValueError, match=r"gives logits of shape \(2, 5\) and the model \(2, 3\): it is another model's file"):
+        vitpe.onnx_errors(three, path, [(16, 16)])
+    (tmp_path / "junk.onnx").write_bytes(b"not a graph")
+    with pytest.raises(ValueError, match="is not an ONNX file onnxruntime can run"):
+        vitpe.onnx_errors(m, tmp_path / "junk.onnx", [(16, 16)])
+    with pytest.raises(ValueError, match="not a multiple of patch_size 4"):
+        vitpe.onnx_errors(m, path, [(17, 23)])
+
+
+def test_the_export_command_never_destroys_its_run_and_says_each_failure_in_one_line(tmp_path, capsys):
+    """--onnx at the run's own checkpoint (once replaced by the graph), at another checkpoint, at a folder, or on a disk
+    that fills: one line, exit 2, the checkpoint intact and no .tmp left; --check sizes are N or HxW,
+    positive, and a size that cannot fit in memory is refused by the plan before anything is allocated."""
+    import errno
+    import subprocess
+    import sys
+
+    assert train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "run", "--epochs", "1"]) == 0
+    run = tmp_path / "run"
+    checkpoint = (run / "checkpoint.pt").read_bytes()
+    capsys.readouterr()
+    for target in (run / "checkpoint.pt", run):
+        assert export_main([str(run), "--onnx", str(target), "--overwrite"]) == 2
+        assert (run / "checkpoint.pt").read_bytes() == checkpoint
+    err = capsys.readouterr().err
+    assert "is the run's own checkpoint; write the graph elsewhere" in err and "is a folder; give the file to write" in err
+    torch.save({"a": 1}, tmp_path / "other.pt")
+    assert export_main([str(run), "--onnx", str(tmp_path / "other.pt"), "--overwrite"]) == 2
+    assert "is a PyTorch checkpoint, not an ONNX file" in capsys.readouterr().err
+    real_write = Path.write_bytes
+
+    def full_disk(self, data):  # the disk fills halfway through the file
+        real_write(self, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "write_bytes", full_disk)
+        (tmp_path / "full").mkdir()
+        assert export_main([str(run), "--onnx", str(tmp_path / "full" / "m.onnx")]) == 2
+    assert "cannot write" in capsys.readouterr().err and not list((tmp_path / "full").iterdir())  # no .tmp left
+    for bad in ("0x0", "16x", "x"):
+        with pytest.raises(SystemExit):
+            export_main([str(run), "--onnx", str(tmp_path / "m.onnx"), "--check", bad])
+        assert "must be positive" in capsys.readouterr().err or bad != "0x0"
+    assert export_main([str(run), "--onnx", str(tmp_path / "m.onnx"), "--check", "24"]) == 0  # N: a square size
+    assert "onnxruntime at 24x24" in capsys.readouterr().out
+    assert export_main([str(run), "--onnx", str(tmp_path / "big.onnx"), "--check", "16384x16384"]) == 2
+    assert "resolution 16384x16384 needs about" in capsys.readouterr().err and not (tmp_path / "big.onnx").exists()
+    help_run = subprocess.run([sys.executable, "-m", "vitpe.export", "--help"], capture_output=True, text=True)
+    assert help_run.returncode == 0 and "found in sys.modules" not in help_run.stderr  # runpy's warning, once on every run

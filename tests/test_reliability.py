@@ -375,7 +375,10 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(base, tmp_path,
     monkeypatch.setattr(eval_script, "plot", full)
     monkeypatch.setattr(sys, "argv", ["eval.py", str(base), "--resolutions", "16", "--out", str(tmp_path / "ev")])
     assert eval_script.cli() == 1
-    assert "No space left on device" in capsys.readouterr().err and not (tmp_path / "ev").exists()
+    assert "No space left on device" in capsys.readouterr().err
+    # the finished rows stay, each file whole (written beside, then renamed); no temporary file is left
+    assert [r["resolution"] for r in json.loads((tmp_path / "ev" / "results.json").read_text())] == ["16"]
+    assert not list((tmp_path / "ev").glob(".*.tmp"))
 
 
 def test_a_study_reuses_a_run_only_when_its_config_is_the_one_asked_for():
@@ -428,3 +431,40 @@ def test_a_study_run_stopped_by_a_signal_says_it_resumes(tmp_path, monkeypatch, 
     monkeypatch.setattr(studykit, "train_main", lambda argv: rc)
     with pytest.raises(SystemExit, match=message):
         studykit.train_or_reuse(tmp_path / "study-row-seed0", ["--config", TINY], "row")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_sweep_stopped_by_a_signal_at_a_large_size_keeps_its_finished_rows_within_seconds(base, tmp_path, signum):
+    """eval.py at 512 px (16,384 tokens, seconds per image): the 16-px row is on disk as soon as it finishes (what a
+    kill -9 leaves), and Ctrl-C or SIGTERM in the middle of the large size stops the sweep within seconds (attention runs
+    in pieces between which Python handles signals; once a single call lasted minutes), writes the finished row with its
+    summary and exits 128 + the signal. Stopped before any size finished, it leaves no empty folder."""
+    out = tmp_path / "ev"
+    cmd = [sys.executable, "-m", "vitpe.evaluation", str(base), "--resolutions", "16", "512", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (out / "results.json").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        rows = json.loads((out / "results.json").read_text())
+        assert [r["resolution"] for r in rows] == ["16"]  # on disk before the sweep ends
+        time.sleep(3)  # well inside the 512-px size
+        assert proc.poll() is None, proc.communicate()
+        sent = time.time()
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+        assert time.time() - sent < 15, err
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, err
+    assert f"interrupted ({signal.Signals(signum).name}): the 1 sizes that finished are in {out}" in err
+    assert [r["resolution"] for r in json.loads((out / "results.json").read_text())] == ["16"]
+    assert (out / "summary.json").exists() and not list(out.glob(".*.tmp"))
+    # stopped before any size finished: nothing written, and no eval-* folder left in the run
+    proc = subprocess.Popen([sys.executable, "-m", "vitpe.evaluation", str(base), "--resolutions", "512"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum and "before any size finished; nothing written" in err, err
+    assert not list(base.glob("eval-*"))

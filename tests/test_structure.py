@@ -132,6 +132,30 @@ def test_families_declare_what_they_are():
             vitpe.set_pe_option(model, key, value)
 
 
+def test_no_test_time_option_takes_a_value_that_gives_nan_logits():
+    """eval.py --pe-option yarn_beta=nan (or inf) once gave NaN logits that scored as a low top-1 without a word: every
+    declared numeric option of every family refuses non-finite values, as text or as a number, and YaRN's band must be
+    ordered (its ramp divides by yarn_beta - yarn_alpha)."""
+    checked = 0
+    for name in vitpe.list_pos_embeds():
+        model = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=3, pos_embed=name)
+        for key, option in vitpe.pe_test_options(model).items():
+            if option.parse is str:
+                continue
+            for bad in ("nan", "inf", "-inf", float("nan"), float("inf")):
+                with pytest.raises(ValueError, match=rf"{key}=.*(finite|fraction in \[0, 1\])"):
+                    vitpe.set_pe_option(model, key, bad)
+                checked += 1
+    assert checked >= 14 * 5  # four rotary families' three numeric options, lookhere's and alibi2d's slopes
+    rope = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=3, pos_embed="rope_axial")
+    for key, value in (("yarn_alpha", "40"), ("yarn_beta", "1"), ("yarn_alpha", "-1")):
+        with pytest.raises(ValueError, match="0 <= yarn_alpha < yarn_beta"):
+            vitpe.set_pe_option(rope, key, value)
+    with pytest.raises(ValueError, match="0 <= yarn_alpha < yarn_beta"):  # at build time too (model.pos_embed_kwargs)
+        vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=3,
+                                pos_embed="rope_axial", pos_embed_kwargs={"yarn_beta": float("nan")})
+
+
 def test_a_new_family_with_a_test_time_option_is_one_class():
     """What a family file holds is enough: registered, it builds, combines with other mechanisms, trains a step, and
     its declared option is set by name (eval.py's --pe-option path) with its caches dropped."""

@@ -367,6 +367,7 @@ def test_eval_at_native_aspect_ratio(tiny_run, tmp_path, capsys):
     ("learned+lookhere", ["--pe-option", "slope=3"], None),
     ("rope_axial", ["--pe-option", "rope_axial.yarn_beta=16", "--pe-option", "scaling=yarn"], None),
     ("rope_axial", ["--pe-option", "slope=3"], "takes the test-time option 'slope'.*its options: rope_axial.scaling, rope_axial.p_rope"),
+    ("rope_axial", ["--pe-option", "yarn_beta=nan"], "yarn_beta='nan'.*finite"),  # once NaN logits scored as 9% top-1
 ])
 def test_new_families_train_and_evaluate_with_their_test_time_controls(tmp_path, pe, controls, error):
     assert train(tmp_path, "run", "--set", f"model.pos_embed={pe}", "--set", "train.epochs=1") == 0

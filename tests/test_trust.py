@@ -292,7 +292,7 @@ def test_eval_checks_its_output_first_keeps_finished_rows_on_ctrl_c_and_names_da
     monkeypatch.setattr(eval_script, "evaluate_at", one_then_ctrl_c)
     out = tmp_path / "cut"
     assert eval_script.main([str(run), "--resolutions", "16", "24", "32", "--diagnostics", "0", "--out", str(out)]) == 130
-    assert len(json.loads((out / "results.json").read_text())) == 1 and "interrupted: the 1 sizes that finished" in capsys.readouterr().err
+    assert len(json.loads((out / "results.json").read_text())) == 1 and "interrupted (SIGINT): the 1 sizes that finished" in capsys.readouterr().err
     monkeypatch.undo()
     shapes = tmp / "runs"
     assert train_script.main(["--config", TINY, "--epochs", "1", "--out-dir", str(shapes), "--name", "s"]) == 0

@@ -158,9 +158,19 @@ def content_tokens(images: Tensor, patch_size: int, keep: float) -> Tensor:
         raise ValueError(f"content_keep must be in (0, 1], got {keep}")
     with torch.no_grad():
         border = torch.cat([images[..., 0, :], images[..., -1, :], images[..., 1:-1, 0], images[..., 1:-1, -1]], dim=-1)
-        background = border.float().median(dim=-1).values[..., None, None]  # (B, C, 1, 1)
+        border = border.float()
+        if torch.jit.is_tracing():  # an ONNX export: sizes stay formulas of the input's, and ONNX has no median
+            half = (torch.as_tensor(border.shape[-1]) + 1) // 2
+            background = border.topk(half, dim=-1, largest=False).values.amax(-1)  # the lower median, as torch's
+        else:
+            background = border.median(dim=-1).values
+        background = background[..., None, None]  # (B, C, 1, 1)
         score = F.avg_pool2d((images.float() - background).abs(), patch_size).sum(1).flatten(1)  # (B, N)
-        k = max(1, int(round(keep * score.shape[1])))
+        n = score.shape[1]
+        if torch.jit.is_tracing():
+            k = torch.round(torch.as_tensor(n) * keep).clamp(min=1).long()
+        else:
+            k = max(1, int(round(keep * n)))
         return score.topk(k, dim=1, sorted=False).indices.sort(1).values
 
 

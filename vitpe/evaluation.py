@@ -16,15 +16,18 @@ accuracy_vs_resolution.png and attention_vs_resolution.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
-import shutil
+import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -389,6 +392,8 @@ def output_dir(args: argparse.Namespace) -> Tuple[Path, bool]:
         if made and out.is_dir():
             out.rmdir()
         raise ConfigError(f"cannot write results to {out} ({e.strerror or e}); choose another --out") from None
+    if made:  # made again when the first size finishes: a sweep stopped before that leaves no empty folder
+        out.rmdir()
     return out, made
 
 
@@ -452,8 +457,10 @@ def patch_fits(model, h: int, w: int) -> bool:
     return h % ref_h == 0 and w % ref_w == 0 and h // ref_h == w // ref_w
 
 
-def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, rows: List[Dict]) -> None:
-    """Evaluate every plan, appending a row to ``rows`` as each size finishes (an interrupted sweep keeps them)."""
+def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, rows: List[Dict],
+          on_row: Callable[[List[Dict]], None] = lambda rows: None) -> None:
+    """Evaluate every plan, appending a row to ``rows`` as each size finishes and calling ``on_row(rows)`` then (an
+    interrupted or killed sweep keeps them)."""
     for run in plans:
         model, cfg, ds = run.model, run.cfg, run.ds
         train_size = cfg.model.img_size
@@ -473,16 +480,30 @@ def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, 
                              "weights": "ema" if run.state.get("ema") is not None and not args.no_ema else "raw",
                              "train_size": train_size, "train_sizes": trained_span(cfg),
                              "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
+                on_row(rows)
                 if not sys.stdout.isatty():  # a log (nohup, a cluster job): a line per result, not silence until the table
                     print(f"{label} @ {row['resolution']}: top-1 {100 * row['top1']:.2f}% ({row['seconds']:.0f}s)", flush=True)
+
+
+def write_rows(rows: List[Dict], out: Path) -> None:
+    """results.json and results.csv in ``out`` (made if needed), each written whole: after every size of a sweep, so
+    that a kill loses at most the size it was on."""
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(rows, out / "results.json")
+    write_csv(rows, out / "results.csv")  # per-class and per-layer lists stay in the JSON
+
+
+def _write_json(value, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2))
+    os.replace(tmp, path)
 
 
 def write_results(rows: List[Dict], out: Path, diagnostics: int) -> List[Dict]:
     """results.json/.csv, summary.json/.csv and the plots in ``out``; returns the summary."""
     summary = sweep_summary(rows)
-    (out / "results.json").write_text(json.dumps(rows, indent=2))
-    write_csv(rows, out / "results.csv")  # per-class and per-layer lists stay in the JSON
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_rows(rows, out)
+    _write_json(summary, out / "summary.json")
     write_csv(summary, out / "summary.csv")
     data = ", ".join(sorted({r["data"] for r in rows}))
     plot(rows, out / "accuracy_vs_resolution.png", f"top-1 against resolution ({data})")
@@ -504,25 +525,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     plans = [plan_run(ckpt, args, device, datasets) for ckpt in given.values()]
     out, made = output_dir(args)
     rows: List[Dict] = []
-    interrupted = False
+    stopped = 0  # the signal that stopped the sweep
     try:
-        sweep(plans, args, device, rows)
-    except KeyboardInterrupt:  # Ctrl-C: what finished is kept
-        interrupted = True
-    finally:
-        if not rows and made:
-            shutil.rmtree(out, ignore_errors=True)
+        with _sigterm_stops():
+            sweep(plans, args, device, rows, lambda rows: write_rows(rows, out))
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: what finished is kept (written as each size finished)
+        stopped = getattr(e, "signum", signal.SIGINT)
     if not rows:
-        print("\ninterrupted before any size finished; nothing written" if interrupted else
+        print(f"\ninterrupted ({signal.Signals(stopped).name}) before any size finished; nothing written" if stopped else
               "\nno size to evaluate on the routes asked for; nothing written", file=sys.stderr)
-        return 130 if interrupted else 1
+        return 128 + stopped if stopped else 1
     if len({r["data"] for r in rows}) > 1:  # runs on different data share the table: each line says which
         for r in rows:
             r["label"] += f" on {r['data']}"
     try:
         summary = write_results(rows, out, args.diagnostics)
-    except BaseException:  # disk full, Ctrl-C: leave no half-written results behind
-        shutil.rmtree(out) if made else [p.unlink() for p in out.iterdir()]
+    except BaseException:  # disk full, Ctrl-C: the finished rows stay (each file is written whole), nothing half-written
+        for tmp in out.glob(".*.tmp"):
+            tmp.unlink()
         raise
 
     # The table: one row per resolution, one column per run/mode.
@@ -548,10 +568,31 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{r['label']} @ {r['resolution']}: {r['tokens_per_image']:g} tokens, {r['images_per_s']:.0f} img/s{attn}")
     pictures = ", ".join(str(out / f) for f in ("accuracy_vs_resolution.png", "attention_vs_resolution.png") if (out / f).exists())
     print(f"\nresults: {out / 'results.json'}, {out / 'results.csv'}, {out / 'summary.json'}, {out / 'summary.csv'}\nplots:   {pictures}")
-    if interrupted:
-        print(f"interrupted: the {len(rows)} sizes that finished are in {out}", file=sys.stderr)
-        return 130
+    if stopped:
+        print(f"interrupted ({signal.Signals(stopped).name}): the {len(rows)} sizes that finished are in {out}", file=sys.stderr)
+        return 128 + stopped
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_stops() -> Iterator[None]:
+    """SIGTERM (kill, a cluster's stop) stops a sweep as Ctrl-C does, so that the finished sizes are written; the
+    KeyboardInterrupt it raises carries ``signum``. Attention at large sizes runs in pieces (vitpe.vit.attend), so
+    either signal is honoured within seconds."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        error = KeyboardInterrupt()
+        error.signum = signum
+        raise error
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 

@@ -11,8 +11,10 @@ against the model. The command line does both, and timm's layout (:func:`vitpe.s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -20,7 +22,9 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .checkpoint import CheckpointError, model_from_checkpoint
+from .checkpoint import CHECKPOINT_NAME, CheckpointError, model_from_checkpoint
+from .engine import MemoryPlanError, memory_plan
+from .predict import parse_size
 from .pretrained import preprocessing
 from .vit import VisionTransformer
 
@@ -33,6 +37,9 @@ def onnx_refusal(model: VisionTransformer) -> Optional[str]:
     """Why ``model`` cannot be exported to an any-size ONNX graph, in one line (``None``: it can)."""
     if not isinstance(model, VisionTransformer):
         return f"export_onnx takes a vitpe.VisionTransformer (vitpe.vit_from_timm converts timm's), not a {type(model).__name__}"
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.float32:  # bf16 graphs are rejected by onnxruntime's CPU kernels, fp64 ones lack kernels to run
+        return f"the model's weights are {str(dtype).replace('torch.', '')}; ONNX export takes float32: export model.float()"
     why = model.pos_embed.onnx_refusal()
     return None if why is None else f"the {model.pos_embed.name!r} PE cannot be exported to ONNX: {why}"
 
@@ -54,28 +61,79 @@ def export_onnx(model: VisionTransformer, path: Union[str, Path], *, opset: int 
     if why:
         raise ValueError(why)
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder; give the file to write, e.g. {path / 'model.onnx'}")
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists; pass overwrite=True (--overwrite) to replace it, or choose another path")
+    if path.exists() and _is_torch_file(path):
+        raise FileExistsError(f"{path} is a PyTorch checkpoint, not an ONNX file: --overwrite replaces only ONNX files; "
+                              "choose another path")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: folder {path.parent} does not exist")
     x = torch.zeros(1, model.in_chans, *_example_size(model), device=next(model.parameters()).device)
     buffer, was_training = io.BytesIO(), model.training
     model.eval()
     try:
-        with warnings.catch_warnings(), torch.no_grad():
+        with warnings.catch_warnings(), torch.no_grad(), _quiet_stdout():
             # the tracer warns at every size it reads; the graph keeps them symbolic (tests check three sizes)
             warnings.simplefilter("ignore")
-            torch.onnx.export(model, (x,), buffer, dynamo=False, opset_version=opset, input_names=["images"],
+            torch.onnx.export(_WholePatches(model), (x,), buffer, dynamo=False, opset_version=opset, input_names=["images"],
                               output_names=["logits"], dynamic_axes={"images": {0: "batch", 2: "height", 3: "width"},
                                                                      "logits": {0: "batch"}})
     except ModuleNotFoundError as e:  # torch.onnx's own needs (onnx, onnxscript in some torch builds)
         raise ImportError(f"exporting to ONNX needs the {e.name} package: pip install 'vitpe[onnx]'") from None
+    except torch.onnx.errors.UnsupportedOperatorError as e:
+        raise ValueError(f"this model cannot be exported to ONNX: {str(e).splitlines()[0]}") from None
     finally:
         model.train(was_training)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(_with_metadata(buffer.getvalue(), model))
-    tmp.replace(path)
+    try:
+        tmp.write_bytes(_with_metadata(buffer.getvalue(), model))
+        tmp.replace(path)
+    except OSError as e:  # a read-only or full disk: one line, and no half-written file left
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"cannot write {path}: {e.strerror or e}") from None
     return path
+
+
+class _WholePatches(torch.nn.Module):
+    """The model as the graph records it: an input whose sides are not multiples of the patch size fails in the
+    runtime (a Reshape to whole patches), as PyTorch refuses it, instead of answering for its top-left crop."""
+
+    def __init__(self, model: VisionTransformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        p = self.model.patch_size
+        return self.model(x.reshape(b, c, h // p * p, w // p * p))
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """Standard output silenced at the file descriptor: torch's ONNX exporter prints its whole IR graph from C++ when
+    an operator fails, and the one-line error is what the user needs."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (a notebook): nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _is_torch_file(path: Path) -> bool:
+    """Whether ``path`` holds what ``torch.save`` writes (a zip archive, or a legacy pickle)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
 def _with_metadata(graph: bytes, model: VisionTransformer) -> bytes:
@@ -100,7 +158,16 @@ def onnx_errors(model: VisionTransformer, path: Union[str, Path], sizes: Sequenc
         import onnxruntime
     except ImportError:
         raise ImportError("checking an ONNX file needs onnxruntime: pip install onnxruntime (or vitpe's test extra)") from None
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    if batch < 1:
+        raise ValueError(f"onnx_errors needs at least one image per batch, got batch={batch}")
+    for size in sizes:
+        model.grid_size(size)  # a size that is not a multiple of the patch size: one line, before anything runs
+    try:
+        options = onnxruntime.SessionOptions()
+        options.log_severity_level = 4  # its errors come back as exceptions, said here in one line; no log lines too
+        session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own classes for a missing or foreign file
+        raise ValueError(f"{path} is not an ONNX file onnxruntime can run ({str(e).splitlines()[0][:160]})") from None
     g = torch.Generator().manual_seed(seed)
     out, was_training = {}, model.training
     model.eval()
@@ -109,7 +176,14 @@ def onnx_errors(model: VisionTransformer, path: Union[str, Path], sizes: Sequenc
             x = torch.randn(batch, model.in_chans, h, w, generator=g)
             with torch.no_grad():
                 want = model(x.to(next(model.parameters()).device)).float().cpu()
-            got = torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
+            try:
+                got = torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
+            except Exception as e:
+                raise ValueError(f"{path} does not run on this model's input {tuple(x.shape)}: is it this model's file? "
+                                 f"({str(e).splitlines()[0][:160]})") from None
+            if got.shape != want.shape:
+                raise ValueError(f"{path} gives logits of shape {tuple(got.shape)} and the model {tuple(want.shape)}: it is "
+                                 "another model's file")
             out[(h, w)] = float((got - want).abs().max() / want.abs().max().clamp(min=1e-12))
     finally:
         model.train(was_training)
@@ -124,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--hf", metavar="DIR", help="write timm's layout (config.json + model.safetensors), for timm and the hub")
     p.add_argument("--raw", action="store_true", help="the raw weights even if the run kept an EMA (default: the EMA's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing file or folder")
-    p.add_argument("--check", metavar="HxW", nargs="*", default=None,
+    p.add_argument("--check", metavar="N|HxW", nargs="*", default=None, type=parse_size,
                    help="with --onnx: run the file with onnxruntime at these sizes (default: the training size, 1.5x, 2x)")
     args = p.parse_args(argv)
     if not args.onnx and not args.hf:
@@ -132,30 +206,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         model, state = model_from_checkpoint(args.run, ema=not args.raw)
         weights = "raw" if args.raw or state.get("ema") is None else "EMA"
+        source = Path(args.run) / CHECKPOINT_NAME if Path(args.run).is_dir() else Path(args.run)
         if args.onnx:
+            if Path(args.onnx).exists() and Path(args.onnx).resolve() == source.resolve():
+                raise FileExistsError(f"--onnx {args.onnx} is the run's own checkpoint; write the graph elsewhere, e.g. "
+                                      f"{source.with_name('model.onnx')}")
+            sizes = args.check or _default_sizes(model) if args.check is not None else []
+            for size in sizes:
+                model.grid_size(size)
+            batch = min(memory_plan(model, [(s, None) for s in sizes], 2, torch.device("cpu"), str(args.run)).values(), default=2)
             path = export_onnx(model, args.onnx, overwrite=args.overwrite)
             print(f"wrote {path} ({weights} weights; any height and width that are multiples of {model.patch_size})")
-            if args.check is not None:
-                sizes = [_parse_size(s) for s in args.check] or _default_sizes(model)
-                for (h, w), err in onnx_errors(model, path, sizes).items():
+            if sizes:
+                for (h, w), err in onnx_errors(model, path, sizes, batch=batch).items():
                     print(f"  onnxruntime at {h}x{w}: relative difference {err:.1e} from PyTorch")
         if args.hf:
             from .pretrained import save_pretrained
 
             folder = save_pretrained(model, args.hf, overwrite=args.overwrite)
             print(f"wrote {folder} ({weights} weights): vitpe.from_pretrained or timm.create_model('vitpe_vit', pretrained=True, ...)")
-    except (ValueError, CheckpointError, FileExistsError, FileNotFoundError, ImportError) as e:
+    except (ValueError, CheckpointError, OSError, ImportError, MemoryPlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def _parse_size(text: str) -> Tuple[int, int]:
-    try:
-        h, w = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"--check sizes look like 48x64, got {text!r}") from None
-    return h, w
 
 
 def _default_sizes(model: VisionTransformer) -> Sequence[Tuple[int, int]]:

@@ -14,9 +14,20 @@ from torch import Tensor, nn
 
 __all__ = ["NORMS", "ACTIVATIONS", "make_norm", "make_act", "Mlp", "LayerScale", "DropPath", "AttentionPool"]
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` (its fused kernel) that an ONNX export writes out as its formula: opset 17 has no RMS norm."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not torch.onnx.is_in_onnx_export():
+            return super().forward(x)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # nn.RMSNorm's default
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return y * self.weight if self.weight is not None else y
+
+
 NORMS: Dict[str, Callable[[int, float], nn.Module]] = {
     "layernorm": lambda dim, eps: nn.LayerNorm(dim, eps=eps),
-    "rmsnorm": lambda dim, eps: nn.RMSNorm(dim, eps=eps),  # sapiens2, ViT-XP
+    "rmsnorm": lambda dim, eps: RMSNorm(dim, eps=eps),  # sapiens2, ViT-XP
 }
 
 

@@ -66,9 +66,9 @@ def predict(model: torch.nn.Module, images: Tensor, mean: Sequence[float], std: 
 
 
 def parse_size(text: str) -> Tuple[int, int]:
-    h, _, w = text.lower().partition("x")
+    h, sep, w = text.lower().partition("x")
     try:
-        size = int(h), int(w or h)
+        size = int(h), int(w if sep else h)  # "16x" is a typo, not 16x16
     except ValueError:
         raise argparse.ArgumentTypeError(f"size must be N or HxW, got {text!r}") from None
     if min(size) < 1:

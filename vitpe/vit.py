@@ -92,8 +92,28 @@ def attend(
         # A PE's query-key features make q and k wider than v, and torch's CPU kernel then takes its math path (7x
         # slower at 1,024 tokens, 58 against 32 features); zero columns of v give the same output on the fused one.
         v = F.pad(v, (0, q.shape[-1] - width))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)[..., :width]
-    return rearrange(out, "b h t d -> b t (h d)")
+    rows = _query_rows(q, k)
+    if rows >= q.shape[-2]:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+    else:  # softmax is per query: the same result, a piece at a time
+        out = torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + rows], k, v, dropout_p=dropout_p, scale=scale,
+                                                        attn_mask=None if bias is None else bias[..., i:i + rows, :])
+                         for i in range(0, q.shape[-2], rows)], dim=-2)
+    return rearrange(out[..., :width], "b h t d -> b t (h d)")
+
+
+QUERY_CHUNK_SCORES = 1 << 27  # attention scores per SDPA call past which inference splits the queries (512 MiB in fp32)
+
+
+def _query_rows(q: Tensor, k: Tensor) -> int:
+    """Queries per SDPA call: all of them in training and export, else at most :data:`QUERY_CHUNK_SCORES` scores a call.
+    At 1024 px one image's attention is minutes of a single call that neither Ctrl-C nor SIGTERM can interrupt (Python
+    handles signals between calls) and whose scores, where the kernel writes them out, take tens of GiB."""
+    t = q.shape[-2]
+    if torch.is_grad_enabled() or torch.jit.is_tracing() or torch.jit.is_scripting():
+        return t
+    per_row = q.shape[0] * q.shape[1] * k.shape[-2]
+    return max(1, min(t, QUERY_CHUNK_SCORES // max(per_row, 1)))
 
 
 class Attention(nn.Module):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Type
 
 import torch
@@ -196,7 +197,10 @@ def set_pe_option(module: nn.Module, key: str, value: Any) -> List[str]:
                          + (f"its options: {', '.join(declared)}" if declared else "it has none"))
     for pe, option in targets:
         try:
-            setattr(pe, option.attr, option.parse(value) if isinstance(value, str) else value)
+            parsed = option.parse(value) if isinstance(value, str) else value
+            if isinstance(parsed, float) and not math.isfinite(parsed):  # NaN logits would score as a low top-1, silently
+                raise ValueError("must be a finite number")
+            setattr(pe, option.attr, parsed)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{pe.name}.{option.name}={value!r}: {e}") from None
     _clear_caches(module)

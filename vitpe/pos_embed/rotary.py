@@ -2,6 +2,7 @@
 RoPE, with the extrapolation controls every rotary family shares (PI, NTK, YaRN, p-RoPE)."""
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional, Union
 
 import torch
@@ -72,7 +73,34 @@ class RotaryPosEmbed(PosEmbed):
                  cell_offset: float = 0.0) -> None:
         super().__init__(dim, num_heads, ref_grid, depth)
         self.scaling, self.p_rope, self.offset, self.cell_offset = scaling, p_rope, float(offset), float(cell_offset)
-        self.yarn_alpha, self.yarn_beta = float(yarn_alpha), float(yarn_beta)
+        self._yarn_alpha, self._yarn_beta = 1.0, 32.0
+        self.set_yarn_band(yarn_alpha, yarn_beta)
+
+    @property
+    def yarn_alpha(self) -> float:
+        return self._yarn_alpha
+
+    @yarn_alpha.setter
+    def yarn_alpha(self, turns: float) -> None:
+        self.set_yarn_band(turns, self._yarn_beta)
+
+    @property
+    def yarn_beta(self) -> float:
+        return self._yarn_beta
+
+    @yarn_beta.setter
+    def yarn_beta(self, turns: float) -> None:
+        self.set_yarn_band(self._yarn_alpha, turns)
+
+    def set_yarn_band(self, alpha: float, beta: float) -> None:
+        """YaRN's band edges together: finite turns with ``0 <= alpha < beta`` (the ramp between them divides by
+        ``beta - alpha``; NaN or infinity would give NaN logits that score as a low accuracy, not an error)."""
+        alpha, beta = float(alpha), float(beta)
+        if not (math.isfinite(alpha) and math.isfinite(beta) and 0 <= alpha < beta):
+            raise ValueError(f"{self.name}: YaRN's band needs finite edges with 0 <= yarn_alpha < yarn_beta, got "
+                             f"yarn_alpha={alpha}, yarn_beta={beta}")
+        self._yarn_alpha, self._yarn_beta = alpha, beta
+        self.clear_cache()
 
     @property
     def scaling(self) -> str:
