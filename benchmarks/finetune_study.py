@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 from small_folders import read_idx
-from studykit import convergence, train_or_reuse
+from studykit import convergence, train_or_reuse, training_time
 
 from vitpe.checkpoint import checkpoint_config, load_checkpoint, model_from_checkpoint
 from vitpe.config import load_config
@@ -139,7 +139,7 @@ def measure(run: Path, data: str, arm: str, seed: int, source: Optional[Path], t
     verdict = convergence(state["metrics"])
     per_epoch = (cfg.data.train_size if data in CONFIGS else len(ds.split(True)[1])) // cfg.train.batch_size  # a folder: all it holds
     base = {"data": data, "arm": arm, "seed": seed, "train_time_s": verdict["train_time_s"], "converged": verdict["converged"],
-            "source_time_s": convergence(load_checkpoint(source)["metrics"])["train_time_s"] if source else 0.0,
+            "source_time_s": round(training_time(load_checkpoint(source)["metrics"]), 3) if source else 0.0,  # a smoke source: 0.04 s
             "steps": cfg.train.epochs * per_epoch}
     sizes = SIZES if data in CONFIGS else (cfg.model.img_size,)  # a folder's model at its own size
     plan = [("interpolate", "coords", (s, s)) for s in sizes]

@@ -181,7 +181,7 @@ def test_predict_prints_the_top_classes_of_image_files(tmp_path, capsys):
         want = model(normalize(x[:2], ds.mean, ds.std)).argmax(-1).tolist()
     assert [ds.classes.index(r["top"][0]["class"]) for r in rows] == want
     assert predict_main([paths[0], "--run", str(out / "p"), "--size", "24x32"]) == 0  # another resolution
-    assert capsys.readouterr().out.startswith("img0.png: ")
+    assert capsys.readouterr().out.startswith(f"{paths[0]}: ")  # the path as given
     assert run_cli(predict_main, [str(tmp_path / "missing.png"), "--run", str(out / "p")]) == 1
     assert "does not exist" in capsys.readouterr().err
     assert run_cli(predict_main, [paths[0], "--run", str(out / "p"), "--size", "30"]) == 2

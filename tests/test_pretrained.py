@@ -137,3 +137,46 @@ def test_the_shipped_files_are_checked_and_readable(tmp_path):
     with pytest.raises(ValueError, match="label_names has 2 values and the model has 5 classes"):
         vitpe.save_pretrained(small(), tmp_path / "n", label_names=["a", "b"])
     assert not (tmp_path / "n").exists()
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("num_heads", 0, "num_heads must be a whole number >= 1, got 0"),
+    ("depth", -1, "depth must be a whole number >= 1, got -1"),
+    ("embed_dim", "64", "embed_dim must be a whole number >= 1, got '64'"),
+    ("norm_eps", -1, "norm_eps must be a positive, finite number, got -1"),  # once loaded, with NaN logits
+    ("embed_dim", 1e9, "describes a model of about .* parameters, but its weights hold .*changed or damaged"),
+    ("mlp_ratio", float("inf"), "mlp_ratio must be a positive, finite number"),
+])
+def test_absurd_model_arguments_are_one_line_before_anything_is_allocated(tmp_path, key, value, message):
+    """A config.json or checkpoint whose model_args were edited or damaged: one CheckpointError line naming the value
+    (not a ZeroDivisionError, a TypeError, NaN logits, or an allocation of a billion-wide model), from both loaders."""
+    from vitpe.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+    from vitpe.finetune import InitError, read_source
+
+    d = vitpe.save_pretrained(small(), tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    config["model_args"][key] = value
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        vitpe.from_pretrained(d)
+    m = small()
+    path = tmp_path / "checkpoint.pt"
+    args = dict(json.loads(json.dumps(m.model_args)), **{key: value})  # plain values, as a run saves them
+    save_checkpoint({"model": m.state_dict(), "model_args": args, "config": {}}, path)
+    load_checkpoint(path)  # the file itself is sound
+    with pytest.raises(CheckpointError, match=message):
+        model_from_checkpoint(path)
+    with pytest.raises(InitError, match=message):
+        read_source(str(path))
+
+
+def test_a_config_nested_too_deep_or_weights_that_claim_51_gb_are_one_line(tmp_path):
+    d = vitpe.save_pretrained(small(), tmp_path / "m")
+    (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="is not a vitpe model config"):
+        vitpe.from_pretrained(d)
+    d = vitpe.save_pretrained(small(), tmp_path / "m", overwrite=True)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [113_000, 113_000], "data_offsets": [0, 4 * 113_000 ** 2]}}).encode()
+    (d / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 64)
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        vitpe.from_pretrained(d)

@@ -236,6 +236,17 @@ def test_16_bit_grayscale_pngs_are_scaled_not_clipped(tmp_path):
     Image.fromarray(np.full((8, 8), 0.5, dtype=np.float32)).save(tmp_path / "train" / "a" / "f.tiff")
     with pytest.raises(DataError, match=r"f\.tiff has floating-point pixels"):
         load_dataset(f"imagefolder:{tmp_path}", image_size=(32, 32))
+    (tmp_path / "train" / "a" / "f.tiff").unlink()
+    # A 16-bit PGM opens in PIL's 32-bit mode: scaled as 16 bits. A 32-bit TIFF holding 0..255 once became black (/257):
+    # its range is unknown, so it is refused as the page says.
+    Image.fromarray(ramp).save(tmp_path / "train" / "b" / "p.pgm")
+    from vitpe.data.images import open_image
+
+    assert Image.open(tmp_path / "train" / "b" / "p.pgm").mode == "I"
+    assert abs(np.asarray(open_image(tmp_path / "train" / "b" / "p.pgm"))[..., 0].astype(float) - ramp / 257).max() <= 0.5
+    Image.fromarray((np.arange(64).reshape(8, 8) * 4).astype(np.int32)).save(tmp_path / "train" / "a" / "i.tiff")
+    with pytest.raises(DataError, match=r"i\.tiff has 32-bit integer pixels \(0\.\.252\) with no known range"):
+        load_dataset(f"imagefolder:{tmp_path}", image_size=(32, 32))
 
 
 # ---- 8. values YAML reads oddly ---------------------------------------------------------------------------
@@ -468,3 +479,51 @@ def test_a_sweep_stopped_by_a_signal_at_a_large_size_keeps_its_finished_rows_wit
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signum and "before any size finished; nothing written" in err, err
     assert not list(base.glob("eval-*"))
+
+
+_MEASURE_STEPS = r"""
+import gc, json, sys, torch, vitpe
+from vitpe.engine import train_step_bytes
+torch.set_num_threads(1)
+
+def rss(field):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field))
+
+out = []
+for pe in vitpe.list_pos_embeds():
+    for size in (48, 64, 80):
+        torch.manual_seed(0)
+        m = vitpe.VisionTransformer(img_size=32, patch_size=4, embed_dim=96, depth=4, num_heads=3, mlp_ratio=2.0, pos_embed=pe,
+                                    pool="mean", num_classes=10)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        x, y = torch.randn(16, 3, size, size), torch.randint(0, 10, (16,))
+        def step():
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step()  # the optimizer's state and the thread pools exist before the measured step
+        gc.collect()
+        base = rss("VmRSS")
+        open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) from here
+        step()
+        out.append((pe, size, rss("VmHWM") - base, train_step_bytes(m, (size, size), 16)))
+        del m, opt
+        gc.collect()
+print(json.dumps(out))
+"""
+
+
+def test_the_training_memory_plan_is_within_1_5x_of_a_measured_step_for_every_family():
+    """The plan a run checks before its first step (vitpe.engine.train_step_bytes) against the peak memory of a real
+    training step (resident set size, glibc made to return every large block), for every family at three sizes of the
+    main job's model. A bias with trainable parameters (rel_bias, cpb, fire) once measured 3x its plan."""
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs Linux's /proc/self/clear_refs to measure a step's peak memory")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", _MEASURE_STEPS], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(rows) == 3 * len(__import__("vitpe").list_pos_embeds())
+    off = [(pe, size, round(measured / 2**20), round(plan / 2**20)) for pe, size, measured, plan in rows
+           if not measured / 1.5 <= plan <= 1.5 * measured]
+    assert not off, f"plans (MiB) more than 1.5x from the measured step: {off}"

@@ -152,3 +152,31 @@ def test_what_vitpe_lacks_is_named_in_one_line():
         vitpe.vit_from_timm(timm.create_model("vit_small_patch16_18x2_224", depth=1))
     with pytest.raises(ValueError, match=r"^vit_from_timm takes timm's VisionTransformer, .* not a ResNet$"):
         vitpe.vit_from_timm(timm.create_model("resnet18"))
+
+
+def test_what_vit_from_timm_does_not_reproduce_is_refused_naming_it():
+    """Once converted silently with logits 14% off: a ViT whose MLP activation was swapped in one block. A custom or
+    bias-free head, a features_only model and a vitpe model get a line that says what is unsupported and what to do."""
+    from torch import nn
+
+    def tiny(**kw):
+        return timm.create_model("vit_tiny_patch16_224", pretrained=False, depth=2, **kw).eval()
+
+    for block in (0, 1):
+        m = tiny()
+        m.blocks[block].mlp.act = nn.ReLU()
+        with pytest.raises(ValueError, match="a ReLU activation" if block == 0 else "block 1 unlike block 0"):
+            vitpe.vit_from_timm(m)
+    m = tiny()
+    m.head = nn.Sequential(nn.Linear(192, 10))
+    with pytest.raises(ValueError, match="a Sequential head .*reset_classifier"):
+        vitpe.vit_from_timm(m)
+    m = tiny()
+    m.head = nn.Linear(192, 10, bias=False)
+    with pytest.raises(ValueError, match="a head without bias"):
+        vitpe.vit_from_timm(m)
+    with pytest.raises(ValueError, match="features_only model .*build it without|features_only model .*without features_only=True"):
+        vitpe.vit_from_timm(timm.create_model("vit_tiny_patch16_224", pretrained=False, features_only=True))
+    with pytest.raises(ValueError, match="already a vitpe.VisionTransformer: use it as it is"):
+        vitpe.vit_from_timm(vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2))
+    assert vitpe.vit_from_timm(tiny(num_classes=0)).num_classes == 0  # no head at all is timm's own, and converts

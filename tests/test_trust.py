@@ -233,21 +233,36 @@ def test_an_equipped_timm_model_saves_loads_copies_and_traces_safely():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         traced = torch.jit.trace(m, x)
-    assert any("refuses other sizes" in str(w.message) for w in caught)
+    assert not any("refuses other sizes" in str(w.message) for w in caught)
     assert torch.allclose(traced(x), ref, atol=1e-5)
-    with pytest.raises(RuntimeError, match="is invalid for input of size"):
-        traced(torch.randn(2, 3, 48, 32))  # same token count, transposed: refused, not wrong
+    for hw in ((48, 32), (64, 80)):  # the same token count transposed (once other logits, silently), and larger
+        y = torch.randn(2, 3, *hw)
+        with torch.no_grad():
+            assert torch.allclose(traced(y), m(y), atol=1e-5)
     with pytest.raises(ValueError, match="already carries vitpe's 'rel_bias' PE"):
         vitpe.vit_from_timm(m)
 
 
-def test_a_traced_vitpe_model_refuses_other_sizes():
-    m = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=3, pos_embed="sincos2d+rope_mixed").eval()
+@pytest.mark.parametrize("pe", vitpe.list_pos_embeds())
+def test_a_traced_vitpe_model_runs_at_any_size_or_refuses_other_sizes(pe):
+    """torch.jit.trace records the sizes as values, as an ONNX export does: the traced module computes coordinates and
+    tables from each input's size, for every family (once it failed with TorchScript's shape message at any other
+    size). A PE that chooses per size in Python (learned.square) is pinned to the traced size: refused, never wrong."""
+    torch.manual_seed(0)
+    m = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=3, pos_embed=pe,
+                                num_reg_tokens=1).eval()
     x = torch.randn(1, 3, 16, 24)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced = torch.jit.trace(m, x)  # torch's own check (a second trace) passes: no cached table
-    assert torch.allclose(traced(x), m(x), atol=1e-5)
+    with torch.no_grad():
+        for hw in ((16, 24), (24, 16), (32, 40), (8, 12)):
+            y = torch.randn(2, 3, *hw)
+            assert torch.allclose(traced(y), m(y), atol=1e-5), hw
+    square = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=3,
+                                     pos_embed="learned", pos_embed_kwargs={"square": True}).eval()
+    with pytest.warns(UserWarning, match="refuses other sizes"):
+        traced = torch.jit.trace(square, x)
     with pytest.raises(RuntimeError):
         traced(torch.randn(1, 3, 24, 16))
 
@@ -354,3 +369,52 @@ def test_attention_diagnostics_are_skipped_where_one_images_scores_cannot_fit(fo
     rows = {r["resolution"]: r for r in json.loads((tmp_path / "d" / "results.json").read_text())}
     assert "attn_distance" in rows["16"] and "attn_distance" not in rows["32"]
     assert "no attention diagnostics at 32x32: one image's attention scores would take" in capsys.readouterr().err
+
+
+def test_training_options_that_would_be_ignored_or_fail_late_are_one_line_first(tmp_path, monkeypatch):
+    """train.warmup_steps without train.steps was ignored silently; the warm-up warning of a train.steps run named
+    train.warmup_epochs, which that run does not read; a tensorboard that is installed but does not import was a
+    traceback after the run folder existed."""
+    import importlib.util
+    import sys
+
+    from vitpe.config import load_config
+    from vitpe.training import schedule_warnings
+
+    with pytest.raises(ConfigError, match="train.warmup_steps=10 is the warm-up of a train.steps run .*set train.steps too"):
+        train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "w", "--set", "train.warmup_steps=10"])
+    cfg = load_config(TINY)
+    cfg.train.steps, cfg.train.warmup_steps, cfg.train.epochs, cfg.train.warmup_epochs = 16, 16, 2, 2.0
+    assert any(w.startswith("train.warmup_steps=16 covers the whole 2-epoch run") and w.endswith("lower train.warmup_steps")
+               for w in schedule_warnings(cfg, 8))
+    cfg.train.steps = cfg.train.warmup_steps = None
+    assert any(w.endswith("lower train.warmup_epochs") for w in schedule_warnings(cfg, 8))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "tensorboard" else real(name, *a))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # installed, but its import fails
+    with pytest.raises(ConfigError, match="tensorboard package is installed but does not import .*reinstall it"):
+        train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "tb", "--set", "train.tensorboard=true"])
+    assert not (tmp_path / "w").exists() and not (tmp_path / "tb").exists()
+
+
+def test_predicts_text_output_is_one_line_per_image_named_by_its_path(folder_run, tmp_path, monkeypatch, capsys):
+    """Two 0.png in different folders both printed "0.png:"; a class name with a newline split its line. The text names
+    each image by the path given and quotes names that are not printable; --json stays the machine-readable form."""
+    _, data, run = folder_run
+    for d in ("x", "y"):
+        (tmp_path / d).mkdir()
+        shutil.copy(data / "a" / "0.png", tmp_path / d / "0.png")
+    real = predict_script.shipped_model
+
+    def newline_classes(*a, **k):
+        model, info = real(*a, **k)
+        return model, dict(info, classes=[f"{c}\nsecond line" for c in info["classes"]])
+
+    monkeypatch.setattr(predict_script, "shipped_model", newline_classes)
+    capsys.readouterr()
+    assert predict_script.main([str(tmp_path / "x" / "0.png"), str(tmp_path / "y" / "0.png"), "--run", str(run), "--top", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"{tmp_path / 'x' / '0.png'}: ") and lines[1].startswith(f"{tmp_path / 'y' / '0.png'}: ")
+    assert '\\nsecond line"' in lines[0]
+    assert predict_script.main([str(tmp_path / "x" / "0.png"), "--run", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["top"][0]["class"].endswith("\nsecond line")

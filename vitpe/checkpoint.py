@@ -12,7 +12,7 @@ import torch
 
 from .errors import VitpeError
 from .runs import remove_stale
-from .vit import VisionTransformer
+from .vit import VisionTransformer, parameter_estimate
 
 __all__ = [
     "CheckpointError", "FORMAT", "save_checkpoint", "load_checkpoint", "find_checkpoint", "model_from_checkpoint",
@@ -167,16 +167,34 @@ def shipped_cfg(model: VisionTransformer, data: Optional[Dict[str, Any]] = None)
     return cfg
 
 
+def build_model(args: Any, weights: Dict[str, Any], where: str, hint: str = "") -> VisionTransformer:
+    """``VisionTransformer(**args)`` for the tensors ``weights``: arguments that are not a model's (a wrong type, a range
+    such as ``num_heads: 0`` or ``norm_eps: -1``) are one ``CheckpointError`` line naming ``where``, and so are arguments
+    that describe a model far larger than its weights (a damaged config, ``embed_dim: 1e9``): refused before anything
+    is allocated. ``hint`` ends the line."""
+    if not isinstance(args, dict):
+        raise CheckpointError(f"{where} holds no model arguments (a {type(args).__name__}, not a mapping){hint}")
+    held = sum(t.numel() for t in weights.values() if isinstance(t, torch.Tensor)) if isinstance(weights, dict) else 0
+    try:
+        wanted = parameter_estimate(args)
+    except (TypeError, ValueError, OverflowError):  # a value of the wrong type: the constructor's own line says which
+        wanted = 0
+    if wanted > 2 * held + 1_000_000:
+        raise CheckpointError(f"{where} describes a model of about {wanted:,} parameters, but its weights hold {held:,}: "
+                              f"its model arguments were changed or damaged{hint}")
+    try:
+        return VisionTransformer(**args)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where} describes a model this vitpe cannot build ({str(e).splitlines()[0][:200]}){hint}") from None
+
+
 def model_from_checkpoint(
     path: Union[str, Path], map_location: Any = "cpu", ema: bool = True, verify: bool = True
 ) -> Tuple[VisionTransformer, Dict[str, Any]]:
     """Rebuild the model from the checkpoint alone (its architecture travels with it); EMA weights if present."""
     state = load_checkpoint(path, map_location, verify)
-    try:
-        model = VisionTransformer(**state["model_args"])
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} describes a model this vitpe cannot build ({e})") from None
     weights = state["ema"] if ema and state.get("ema") is not None else state["model"]
+    model = build_model(state["model_args"], weights, f"checkpoint {path}")
     load_model_state(model, weights, str(path))
     model.pretrained_cfg = shipped_cfg(model, state.get("data"))  # what save_pretrained and export write with it
     return model.eval(), state

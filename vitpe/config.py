@@ -249,6 +249,13 @@ def _validate(cfg: Config) -> None:
     if cfg.train.tensorboard is True and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("train.tensorboard=true needs the tensorboard package, which is not installed: pip install tensorboard "
                           "(or pip install -e '.[tensorboard]'), or leave train.tensorboard off")
+    if cfg.train.tensorboard is True:
+        try:  # installed is not importable (a protobuf or numpy it was not built for): said now, before a run folder exists
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except Exception as e:
+            raise ConfigError(f"train.tensorboard=true: the tensorboard package is installed but does not import ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:160] if str(e) else ''}); reinstall it (pip install -U tensorboard), or leave "
+                              "train.tensorboard off") from None
     try:
         CoordMode.parse(cfg.model.coord_mode, "model.coord_mode")
     except ValueError as e:
@@ -295,6 +302,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
     if cfg.init.weights is not None and not (cfg.init.source or "").startswith("timm:"):
         raise ConfigError("init.weights (--init-weights) goes with init.source=timm:NAME; a run or a folder carries its own weights")
+    if t.warmup_steps is not None and t.steps is None:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} is the warm-up of a train.steps run and this run counts epochs; "
+                          "set train.steps too, or give the warm-up as train.warmup_epochs")
     if t.steps is not None and t.budget_min is not None:
         raise ConfigError(f"train.steps={t.steps} and train.budget_min={t.budget_min:g} both decide the epochs; drop one")
     if m.embed_dim % m.num_heads:

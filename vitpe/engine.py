@@ -89,6 +89,23 @@ def forward_bytes(model: nn.Module, size: Sequence[int], patch_size: Optional[in
     return (4 * heads * tokens**2 * len(model.blocks) if biased else 0), 16 * 4 * tokens * model.embed_dim
 
 
+def train_step_bytes(model: nn.Module, size: Sequence[int], batch: int) -> int:
+    """What a training step of a vitpe ViT at ``size = (h, w)`` with ``batch`` images holds at its peak, as a bound
+    (measured within 1.5x for every family, tests/test_reliability.py): each block's activations of every image kept for
+    the backward pass (about 12 floats per token and channel, with the MLP's hidden width), what the PE keeps per token,
+    the bias tables with their gradients, and, for a bias with trainable parameters (a learned table, an MLP), every image's
+    attention probabilities in every block, since SDPA's fused CPU kernel gives no gradient for the bias."""
+    tokens, heads, blocks = _tokens(model, size, None), model.blocks[0].attn.num_heads, len(model.blocks)
+    pe = getattr(model, "pos_embed", None)
+    hidden = model.blocks[0].mlp.fc2.in_features if hasattr(model.blocks[0].mlp, "fc2") else 4 * model.embed_dim
+    floats = 10 * model.embed_dim + 2 * hidden + (pe.train_floats_per_token() if pe is not None else 0)
+    per_image = blocks * 4 * tokens * floats
+    if pe is None or getattr(pe, "learned_bias", True):
+        per_image += blocks * 3 * 2 * heads * tokens**2  # probabilities saved, and the gradient being formed (1.5x measured)
+    shared = 2 * forward_bytes(model, size)[0]  # the bias tables and their gradients
+    return shared + batch * per_image
+
+
 def memory_plan(model, sizes: List[Tuple[Tuple[int, int], Optional[int]]], batch_size: int, device: torch.device,
                 source: str, train_size: Optional[Sequence[int]] = None) -> Dict[Tuple[int, int], int]:
     """Images per batch at each size ``(h, w)`` of ``sizes`` (each with the patch size it runs at, None: the model's), so

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import CHECKPOINT_NAME, CheckpointError, class_mismatch, load_checkpoint, state_mismatches
+from .checkpoint import CHECKPOINT_NAME, CheckpointError, build_model, class_mismatch, load_checkpoint, state_mismatches
 from .config import frozen_spec
 from .coords import to_2tuple
 from .errors import VitpeError
@@ -207,13 +207,14 @@ def read_source(spec: str, weights: Optional[str] = None) -> Source:
     except CheckpointError as e:
         raise InitError(str(e)) from None
     ckpt = p / CHECKPOINT_NAME if p.is_dir() else p
-    args = dict(state["model_args"])
+    weights_state = state["ema"] if state.get("ema") is not None else state["model"]
     try:
-        model = VisionTransformer(**args)
-        weights_state = state["ema"] if state.get("ema") is not None else state["model"]
+        model = build_model(state["model_args"], weights_state, spec)
         model.load_state_dict(weights_state)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise InitError(f"{spec} describes a model this vitpe cannot build or load ({str(e).splitlines()[0][:120]})") from None
+    except CheckpointError as e:
+        raise InitError(str(e)) from None
+    except RuntimeError as e:
+        raise InitError(f"{spec} describes a model this vitpe cannot load ({str(e).splitlines()[0][:120]})") from None
     data = state.get("data") or {}
     notes = [f"weights: the EMA of {spec} (the ones its test top-1 was measured on)"] if state.get("ema") is not None else []
     return _source(spec, model, data.get("classes"), {"weights": str(ckpt.resolve()), "sha256": file_sha256(ckpt)},

@@ -75,7 +75,7 @@ def _equipped_pos_embed(self, x: Tensor) -> Tensor:
     """Replaces timm's ``_pos_embed``, which every forward path calls (``forward_features``,
     ``forward_intermediates``, ``get_intermediate_layers``, features_only): ``(B, H, W, D)`` patch tokens ->
     ``(B, T, D)`` with the PE's tokens and prefix tokens, and the context the blocks read."""
-    x = pin_traced_size(x, (1, 2))
+    x = pin_traced_size(x, (1, 2), self.vitpe_pos_embed)
     b, h, w, d = x.shape
     grid = PatchGrid.create((h, w), self.vitpe_ref_grid, self.vitpe_coord_mode, device=x.device)
     pos = self.vitpe_pos_embed.context(grid, self.num_prefix_tokens, compute_dtype(x))

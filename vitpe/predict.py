@@ -115,8 +115,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.json:
             print(json.dumps({"image": str(path), "top": [{"class": c, "p": q} for c, q in ranked]}))
         else:
-            print(f"{Path(path).name}: " + ", ".join(f"{c} {q:.3f}" for c, q in ranked))
+            # the path as given (two 0.png in different folders stay apart); a name with a newline or other control
+            # character is quoted and escaped, so that each image stays one line
+            print(f"{_one_line(str(path))}: " + ", ".join(f"{_one_line(c)} {q:.3f}" for c, q in ranked))
     return 0
+
+
+def _one_line(text: str) -> str:
+    return text if text.isprintable() else json.dumps(text)
 
 
 if __name__ == "__main__":

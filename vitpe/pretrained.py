@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Union
 
-from .checkpoint import CheckpointError, load_model_state, non_finite, shipped_cfg
+from .checkpoint import CheckpointError, build_model, load_model_state, non_finite, shipped_cfg
 from .timm_models import GENERIC as ARCHITECTURE  # the timm name of a vitpe ViT built from its model_args
 from .vit import VisionTransformer
 
@@ -118,15 +118,12 @@ def from_pretrained(directory: Union[str, Path], map_location: Any = "cpu") -> V
     try:
         config = json.loads((d / CONFIG_FILE).read_text())
         args = config["model_args"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{d / CONFIG_FILE} is not a vitpe model config ({type(e).__name__}: {e}); write it with vitpe.save_pretrained") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
+        raise CheckpointError(f"{d / CONFIG_FILE} is not a vitpe model config ({type(e).__name__}: {str(e)[:120]}); write it "
+                              "with vitpe.save_pretrained") from None
     if config.get("architecture") != ARCHITECTURE:
         raise CheckpointError(f"{d / CONFIG_FILE} describes a {config.get('architecture')!r}, not a vitpe ViT ({ARCHITECTURE!r}); "
                               "load it with timm.create_model")
-    try:
-        model = VisionTransformer(**args)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{d / CONFIG_FILE}'s model_args do not build a vitpe ViT ({e}); a newer vitpe may have written it") from None
     try:
         state = load_file(str(d / WEIGHTS_FILE), device=str(map_location) if map_location is not None else "cpu")
     except (SafetensorError, OSError, ValueError) as e:
@@ -135,6 +132,7 @@ def from_pretrained(directory: Union[str, Path], map_location: Any = "cpu") -> V
     if recorded is not None and _sha256(d / WEIGHTS_FILE) != recorded:
         raise CheckpointError(f"{d / WEIGHTS_FILE} is not the file {CONFIG_FILE} was written with (its sha256 differs from the "
                               f"recorded {str(recorded)[:12]}...): it was changed or damaged; export the model again")
+    model = build_model(args, state, str(d / CONFIG_FILE), "; a newer vitpe may have written it")
     bad = non_finite(state)
     if bad:
         raise CheckpointError(f"{d / WEIGHTS_FILE} holds non-finite weights ({bad[0]})")

@@ -173,13 +173,23 @@ def timm_architecture(m: nn.Module) -> Dict[str, Any]:
         raise ValueError(f"this timm model uses {', '.join(sorted(k.__name__ for k in kinds - pre))} blocks, which "
                          "vitpe.VisionTransformer does not have")
     blk = blocks[0]
-    norm_layer, eps = _norm_kind(blk.norm1, "block norm", problems)
     eva = isinstance(m, Eva)
-    layer_scale = getattr(blk, "gamma_1", None) is not None if eva else not _identity(getattr(blk, "ls1", None))
-    attn = _attention(blk.attn, problems)
-    mlp = _mlp_kind(blk.mlp, problems)
-    if len({(type(b.mlp), b.mlp.fc2.in_features) for b in blocks}) > 1:
-        problems.append("blocks of different widths")
+
+    def block_kind(b: nn.Module, found: List[str]) -> Tuple[Any, ...]:
+        layer_scale = getattr(b, "gamma_1", None) is not None if eva else not _identity(getattr(b, "ls1", None))
+        return (_norm_kind(b.norm1, "block norm", found), _norm_kind(b.norm2, "block norm", found), layer_scale,
+                _attention(b.attn, found), _mlp_kind(b.mlp, found))
+
+    (norm_layer, eps), _, layer_scale, attn, mlp = first = block_kind(blk, problems)
+    for i, b in enumerate(blocks[1:], 1):  # vitpe's blocks are all alike: one block changed (an activation swapped) is not
+        found: List[str] = []
+        if block_kind(b, found) != first or found:
+            problems.append(f"block {i} unlike block 0 (its norms, attention or MLP differ)")
+            break
+    head = m.head
+    if not (isinstance(head, nn.Linear) and head.bias is not None) and not (isinstance(head, nn.Identity) and m.num_classes == 0):
+        what = f"a {type(head).__name__} head" if not isinstance(head, nn.Linear) else "a head without bias"
+        problems.append(f"{what} (vitpe's head is one Linear with bias; reset_classifier gives timm's)")
     pool = m.global_pool
     attn_pool = getattr(m, "attn_pool", None)
     if attn_pool is not None:
@@ -466,7 +476,13 @@ def vit_from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
     PE; it takes whatever timm weights it can and starts the rest fresh. Anything vitpe's ViT lacks raises one
     ``ValueError`` naming it.
     """
+    if isinstance(timm_model, VisionTransformer):
+        raise ValueError("this is already a vitpe.VisionTransformer: use it as it is (vit_from_timm converts timm's models)")
     m = _unwrap(timm_model)
+    if m is not timm_model:
+        raise ValueError(f"this is a features_only model (timm's {type(timm_model).__name__}), which has no pooling or head: "
+                         "convert the model built without features_only=True; vitpe's gives the same features "
+                         "(forward_intermediates, or timm.create_model('vitpe_...', features_only=True))")
     if hasattr(m, "vitpe_pos_embed"):
         raise ValueError(f"this timm model already carries vitpe's {m.vitpe_pos_embed.name!r} PE (equip_timm_vit): vit_from_timm "
                          "takes a timm model as timm builds it; convert the model before equipping it, then pass pos_embed=... here")

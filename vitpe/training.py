@@ -38,7 +38,7 @@ from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, crop_boxes, normalize
 from vitpe.data.datasets import TRAIN_SIZES
 from vitpe.data.mixed import draw_sizes, mixed_batch
-from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, forward_bytes, memory_available, resolve_device, seed_step
+from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, memory_available, resolve_device, seed_step, train_step_bytes
 from vitpe.errors import VitpeError, run_cli
 from vitpe.finetune import FINE_TUNABLE, Source, freeze, read_source, source_model_args, start_model
 from vitpe.pos_embed import NO_POS_EMBED
@@ -325,8 +325,12 @@ def schedule_warnings(cfg: Config, steps_per_epoch: int, n_test: Optional[int] =
         out.append(f"the test split has {n_test} images: each is {100 / n_test:.1f} points of top-1, and scores differ by about "
                    f"{spread:.0f} points between equally good models; give more test images (a test/ or val/ folder) to compare runs")
     if t.warmup_epochs >= t.epochs:
-        out.append(f"train.warmup_epochs={t.warmup_epochs:g} covers the whole {t.epochs}-epoch run: the learning rate never "
-                   "leaves warm-up and never decays; lower train.warmup_epochs")
+        # a train.steps run's warm-up was given in steps (train.warmup_steps, 5% by default): the key to lower is that one
+        given = (f"train.warmup_steps={t.warmup_steps}" if t.warmup_steps is not None else "the default warm-up (5% of train.steps)") \
+            if t.steps is not None else f"train.warmup_epochs={t.warmup_epochs:g}"
+        fix = "train.warmup_steps" if t.steps is not None else "train.warmup_epochs"
+        out.append(f"{given} covers the whole {t.epochs}-epoch run: the learning rate never leaves warm-up and never decays; "
+                   f"lower {fix}")
     if t.ema_decay > 0:
         horizon = 1 / (1 - t.ema_decay)
         if horizon > total / 2:
@@ -509,10 +513,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         log(f"train.freeze={cfg.train.freeze}: {len(frozen)} of {len(list(model.parameters()))} parameter tensors frozen "
             f"({sum(p.numel() for p in model.parameters() if p.requires_grad):,} parameters train)")
     model = model.to(device)
-    # What a step holds, as a bound: every block's activations of every image, kept for the backward pass, and the
-    # attention bias with its gradient.
-    shared, each = forward_bytes(model, (max(sizes),) * 2)
-    step_bytes, available = 2 * shared + each * len(model.blocks) * (cfg.train.batch_size // world), memory_available(device)
+    step_bytes, available = train_step_bytes(model, (max(sizes),) * 2, cfg.train.batch_size // world), memory_available(device)
     if step_bytes > available:
         log(f"warning: a training step at {max(sizes)} px may hold up to {step_bytes / 2**30:.1f} GiB ({cfg.train.batch_size // world} "
             f"images x {len(model.blocks)} blocks) and {device} has {available / 2**30:.1f} GiB available; if it runs "

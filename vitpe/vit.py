@@ -30,16 +30,20 @@ POOLS = ("cls", "mean", "map")  # how the head reads the tokens: the class token
 FINAL_NORMS = ("tokens", "pooled", "none")  # where the last norm acts: on every token, on the pooled vector (timm's fc_norm), nowhere
 
 
-def pin_traced_size(x: Tensor, dims: Tuple[int, int]) -> Tensor:
-    """``x`` as it is; under ``torch.jit.trace``, also a guard in the graph that fails at any other size of ``x``'s
-    ``dims`` (its height and width). The coordinates, tables and rotations come from the size in Python, so a trace
-    holds them as constants: without the guard the traced module would give wrong answers at other sizes, silently
-    (at 96x64 after a trace at 64x96 the token count is the same)."""
+def pin_traced_size(x: Tensor, dims: Tuple[int, int], pos_embed: PosEmbed) -> Tensor:
+    """``x`` as it is. Under ``torch.jit.trace`` the graph computes coordinates, tables and rotations from its input's
+    size (the sizes are traced values there, as in an ONNX export), so a traced model runs at any size; an encoding that
+    makes a choice per size in Python (its :meth:`PosEmbed.size_choice` says which) gets a guard in the graph instead,
+    which fails at any other size of ``x``'s ``dims``, and a warning that says so: never a wrong answer at another size."""
     if not torch.jit.is_tracing():
         return x
+    why = pos_embed.size_choice()
+    if why is None:
+        return x
     h, w = (int(x.shape[d]) for d in dims)
-    warnings.warn(f"torch.jit.trace fixes vitpe's positional encoding to this input's size ({h}x{w}): the traced module refuses "
-                  "other sizes ('shape [...] is invalid'); trace once per size, or run the model in Python at any size", stacklevel=3)
+    warnings.warn(f"torch.jit.trace fixes this {pos_embed.name!r} PE to this input's size ({h}x{w}) ({why}): the traced module "
+                  "refuses other sizes ('shape [...] is invalid'); trace once per size, or run the model in Python at any size",
+                  stacklevel=3)
     zero = torch.zeros(h, device=x.device, dtype=x.dtype).view(x.shape[dims[0]]).sum()
     return x + (zero + torch.zeros(w, device=x.device, dtype=x.dtype).view(x.shape[dims[1]]).sum())
 
@@ -247,6 +251,44 @@ def take_indices(depth: int, indices: Optional[Union[int, Sequence[int]]]) -> Li
     return sorted(set(out))
 
 
+# The numeric arguments and their ranges: a saved config with num_heads 0, depth -1, norm_eps -1 or a string for a
+# width is one ValueError line here, not a ZeroDivisionError deep inside or NaN logits from a model that loads.
+_WHOLE = {"in_chans": 1, "num_classes": 0, "embed_dim": 1, "depth": 1, "num_heads": 1, "num_reg_tokens": 0,
+          "mlp_hidden_dim": 1, "pool_heads": 1}  # name -> least value (None allowed where the default is None)
+_RATES = ("drop_rate", "attn_drop_rate", "drop_path_rate")
+
+
+def _check_numbers(args: Dict[str, Any]) -> None:
+    for name, least in _WHOLE.items():
+        v = args[name]
+        if v is None and name in ("mlp_hidden_dim", "pool_heads"):
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise ValueError(f"{name} must be a whole number >= {least}, got {v!r}")
+    for name in ("mlp_ratio", "norm_eps"):
+        v = args[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ValueError(f"{name} must be a positive, finite number, got {v!r}")
+    for name in _RATES:
+        v = args[name]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise ValueError(f"{name} must be a probability in [0, 1), got {v!r}")
+    v = args["init_values"]
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+        raise ValueError(f"init_values must be a finite number or None, got {v!r}")
+
+
+def parameter_estimate(args: Dict[str, Any]) -> int:
+    """About how many parameters :class:`VisionTransformer` ``(**args)`` allocates (blocks, patch embedding, head), from
+    its arguments alone: what a loader compares with the weights it holds before allocating a model a damaged config
+    describes."""
+    d, depth = int(args.get("embed_dim", 192)), int(args.get("depth", 12))
+    hidden = args.get("mlp_hidden_dim") or int(d * float(args.get("mlp_ratio", 4.0)))
+    hidden *= 2 if args.get("mlp_gated") else 1
+    patch, chans = int(args.get("patch_size", 16)), int(args.get("in_chans", 3))
+    return depth * (4 * d * d + 2 * d * hidden) + patch * patch * chans * d + int(args.get("num_classes", 1000)) * d
+
+
 class VisionTransformer(nn.Module):
     """ViT with any registered positional encoding, running at any input size divisible by the patch.
 
@@ -314,6 +356,7 @@ class VisionTransformer(nn.Module):
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
         self.model_args: Dict[str, Any] = args  # what built it: vitpe.save_pretrained writes them (model.coord_mode as it is then)
+        _check_numbers(args)
         self.img_size = to_2tuple(img_size, "img_size")
         if not isinstance(patch_size, int) or patch_size < 1:
             raise ValueError(f"patch_size must be a positive int, got {patch_size!r}")
@@ -474,7 +517,7 @@ class VisionTransformer(nn.Module):
         if not x.is_floating_point():
             raise ValueError(f"expected floating-point images, got {x.dtype}; normalize them first "
                              "(vitpe.data.augment.normalize(images, mean, std) takes uint8 images)")
-        return pin_traced_size(x.to(self.patch_embed.weight.dtype), (-2, -1))
+        return pin_traced_size(x.to(self.patch_embed.weight.dtype), (-2, -1), self.pos_embed)
 
     def patchify(self, x: Tensor, patch_size: Optional[int] = None) -> Tensor:
         """Patch embedding ``(B, C, H, W) -> (B, D, H/p, W/p)``; another ``patch_size`` PI-resizes the kernel."""

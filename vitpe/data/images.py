@@ -13,7 +13,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import VitpeError
 
@@ -29,17 +29,24 @@ class DataError(VitpeError, RuntimeError):
     """A dataset that is missing, corrupt or unknown; the message says how to fix it."""
 
 
-def _to_rgb(im, path: str):
-    """An opened PIL image as 8-bit RGB. 16-bit images (PNG ``I;16``; ``I`` within 0..65535) are scaled to
-    8 bits, not clipped; float or 32-bit pixels have no known range and are refused, naming the file; transparent pixels
-    show white."""
+# Formats whose only integer pixels wider than 8 bits are 16-bit, which PIL may open as its 32-bit mode "I" (a 16-bit PGM)
+_SIXTEEN_BIT_ONLY = ("PNG", "PPM")
+
+
+def _to_rgb(im, path: str, file_format: Optional[str] = None):
+    """An opened PIL image as 8-bit RGB. 16-bit images (``I;16``, or PIL's ``I`` from a format that has no wider
+    integers: a 16-bit PGM) are scaled to 8 bits, not clipped; float or 32-bit pixels (a 32-bit TIFF, whatever values it
+    holds: 0..255 there once became black) have no known range and are refused, naming the file; transparent pixels show
+    white. ``file_format``: PIL's name of the file's format (``im.format`` before any transform)."""
     import numpy as np
     from PIL import Image
 
     if im.mode.startswith("I"):
         arr = np.asarray(im).astype(np.int64)
-        if arr.size and (arr.min() < 0 or arr.max() > 65535):
-            raise DataError(f"image {path} has 32-bit pixels ({arr.min()}..{arr.max()}) with no known range; convert it to 8 or 16 bits")
+        sixteen = im.mode.startswith("I;16") or (file_format or im.format) in _SIXTEEN_BIT_ONLY
+        if not sixteen or (arr.size and (arr.min() < 0 or arr.max() > 65535)):
+            span = f" ({arr.min()}..{arr.max()})" if arr.size else ""
+            raise DataError(f"image {path} has 32-bit integer pixels{span} with no known range; convert it to 8 or 16 bits")
         im = Image.fromarray(np.round(arr / 257).astype(np.uint8), mode="L")
     elif im.mode == "F":
         raise DataError(f"image {path} has floating-point pixels (mode F) with no known range; convert it to 8 or 16 bits")
@@ -58,7 +65,7 @@ def open_image(path) -> "PIL.Image.Image":  # noqa: F821 (PIL is imported where 
 
     try:
         with Image.open(path) as im:
-            return _to_rgb(ImageOps.exif_transpose(im), str(path))
+            return _to_rgb(ImageOps.exif_transpose(im), str(path), im.format)
     except FileNotFoundError:
         raise DataError(f"image {path} does not exist") from None
     except Image.DecompressionBombError as e:

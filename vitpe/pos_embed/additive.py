@@ -151,7 +151,7 @@ class LearnedPosEmbed(PosEmbed):
         )  # (1, dim, 1, *N)
         return out[0, :, 0].t().reshape(*c.shape[:-1], self.dim)
 
-    def onnx_refusal(self) -> Optional[str]:
+    def size_choice(self) -> Optional[str]:
         return _SQUARE_REFUSAL.format("learned") if self.square else None
 
     def resampled_state(self, state: Dict[str, Tensor], from_grid: Size2) -> Dict[str, Tensor]:
@@ -205,7 +205,7 @@ class FactorizedPosEmbed(PosEmbed):
             c = (c + 0.5) * n - 0.5
         return sample_line(self.table_y, c[..., 1]) + sample_line(self.table_x, c[..., 0])
 
-    def onnx_refusal(self) -> Optional[str]:
+    def size_choice(self) -> Optional[str]:
         return _SQUARE_REFUSAL.format("factorized") if self.square else None
 
     def resampled_state(self, state: Dict[str, Tensor], from_grid: Size2) -> Dict[str, Tensor]:

@@ -266,6 +266,17 @@ class PosEmbed(nn.Module):
         """Whether this encoding adds an attention bias (a heads x tokens^2 table at every size: its memory cost)."""
         return type(self).bias is not PosEmbed.bias
 
+    @property
+    def learned_bias(self) -> bool:
+        """Whether the attention bias has trainable parameters: autograd then needs its gradient, which SDPA's fused CPU
+        kernel does not give, so training attention holds every image's heads x tokens^2 probabilities (its memory)."""
+        return self.biased and any(p.requires_grad for p in self.parameters())
+
+    def train_floats_per_token(self) -> int:
+        """Numbers per token and block this encoding keeps for the backward pass beyond the block's own activations (a
+        training step's memory plan adds them; 0: none worth counting)."""
+        return 0
+
     def rope_mix(self) -> Optional[Tensor]:
         return None
 
@@ -286,6 +297,11 @@ class PosEmbed(nn.Module):
     def onnx_refusal(self) -> Optional[str]:
         """Why this encoding cannot go into an ONNX graph that takes any input size (``None``: it can; vitpe.export_onnx
         refuses with this line): an operator ONNX lacks, or a choice made per size outside the graph."""
+        return self.size_choice()
+
+    def size_choice(self) -> Optional[str]:
+        """A choice this encoding makes per input size in Python, outside any traced graph (``None``: it has none, and a
+        ``torch.jit.trace`` or ONNX graph computes it from each input's size); a trace is then pinned to its size."""
         return None
 
     def from_timm(self, weights: Dict[str, Tensor]) -> Dict[str, Tensor]:

@@ -60,6 +60,10 @@ class MatrixRotary(PosEmbed):
     def onnx_refusal(self) -> Optional[str]:
         return "its rotations are matrix exponentials of the coordinates (torch.linalg.matrix_exp), which ONNX has no operator for"
 
+    def train_floats_per_token(self) -> int:
+        # each token's rotation blocks (heads x head_dim x block_size) and matrix_exp's saved intermediates: 1.5x measured
+        return 3 * self.dim * self.block_size // 2
+
     def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, block_size: int = 8,
                  init_std: Optional[float] = None, per_layer: bool = True, scaling: str = "none") -> None:
         super().__init__(dim, num_heads, ref_grid, depth)

@@ -40,6 +40,10 @@ class PaPE(PosEmbed):
         self.position = nn.ModuleList(nn.Linear(2, width, bias=False) for _ in range(depth))
         self.coefficients = nn.ModuleList(nn.Linear(dim, 2 * width, bias=False) for _ in range(depth))
 
+    def train_floats_per_token(self) -> int:
+        # per head: 3P+2 features on q, on k and (zero padding) on v, the P coefficients' inputs and outputs; 2x measured
+        return self.num_heads * (24 * self.parabolas + 12)
+
     def qk_features(self, layer: int, x: Tensor, grid: PatchGrid) -> Tuple[Tensor, Tensor]:
         h, k = self.num_heads, self.parabolas
         proj = self.position[layer]

@@ -138,6 +138,13 @@ class CombinedPosEmbed(PosEmbed):
         return any(p.biased for p in self.parts)
 
     @property
+    def learned_bias(self) -> bool:
+        return any(p.learned_bias for p in self.parts)
+
+    def train_floats_per_token(self) -> int:
+        return sum(p.train_floats_per_token() for p in self.parts)
+
+    @property
     def reads_coords(self) -> bool:
         return any(p.reads_coords for p in self.parts)
 
@@ -146,6 +153,9 @@ class CombinedPosEmbed(PosEmbed):
 
     def onnx_refusal(self) -> Optional[str]:
         return next((f"its part {p.name}: {why}" for p in self.parts if (why := p.onnx_refusal())), None)
+
+    def size_choice(self) -> Optional[str]:
+        return next((f"its part {p.name}: {why}" for p in self.parts if (why := p.size_choice())), None)
 
     def _build_context(self, grid: PatchGrid, num_prefix: int, dtype: torch.dtype) -> PosContext:
         return PosContext.merge([p.context(grid, num_prefix, dtype) for p in self.parts])
@@ -198,9 +208,11 @@ def set_pe_option(module: nn.Module, key: str, value: Any) -> List[str]:
     for pe, option in targets:
         try:
             parsed = option.parse(value) if isinstance(value, str) else value
+            before = getattr(pe, option.attr)
+            setattr(pe, option.attr, parsed)  # the family's own check speaks first
             if isinstance(parsed, float) and not math.isfinite(parsed):  # NaN logits would score as a low top-1, silently
+                setattr(pe, option.attr, before)
                 raise ValueError("must be a finite number")
-            setattr(pe, option.attr, parsed)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{pe.name}.{option.name}={value!r}: {e}") from None
     _clear_caches(module)
