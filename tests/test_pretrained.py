@@ -9,6 +9,7 @@ import torch
 
 import vitpe
 from vitpe.checkpoint import CheckpointError
+from vitpe.config import ConfigError
 
 
 def small(**kw):
@@ -119,6 +120,18 @@ def test_an_exported_run_carries_its_preprocessing_and_classes_through_timms_dat
         assert predict_main([*files, "--run", str(source), "--json"]) == 0
         outputs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
     assert outputs[0] == outputs[1] and outputs[0][0]["top"][0]["class"] in data["classes"]
+    # eval.py takes it too: the data its run trained on (recorded in config.json), the same top-1 at every size
+    from vitpe import evaluation as eval_script
+
+    tables = []
+    for source, out in ((tmp_path / "run", "ev-run"), (tmp_path / "hf", "ev-hf")):
+        assert eval_script.main([str(source), "--resolutions", "16", "24", "--diagnostics", "0", "--out", str(tmp_path / out)]) == 0
+        tables.append([(r["resolution"], r["top1"], r["n"]) for r in json.loads((tmp_path / out / "results.json").read_text())])
+    assert tables[0] == tables[1] and len(tables[0]) == 2
+    assert config["vitpe_data"]["name"] == "shapes"
+    mine = vitpe.save_pretrained(small(), tmp_path / "mine")  # a model of one's own: no data recorded, so eval asks for it
+    with pytest.raises(ConfigError, match="does not record the data its model was trained on; give it: --data NAME"):
+        eval_script.main([str(mine), "--resolutions", "16"])
 
 
 def test_the_shipped_files_are_checked_and_readable(tmp_path):

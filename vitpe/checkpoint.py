@@ -197,6 +197,8 @@ def model_from_checkpoint(
     model = build_model(state["model_args"], weights, f"checkpoint {path}")
     load_model_state(model, weights, str(path))
     model.pretrained_cfg = shipped_cfg(model, state.get("data"))  # what save_pretrained and export write with it
+    data = (state.get("config") or {}).get("data") or {}
+    model.vitpe_data = {k: data[k] for k in ("name", "data_dir", "test_size") if data.get(k) is not None}  # what eval.py reads
     return model.eval(), state
 
 

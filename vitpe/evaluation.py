@@ -41,6 +41,7 @@ from vitpe.engine import amp_dtype, attention_bytes, autocast, evaluate, evaluat
 from vitpe.errors import run_cli
 from vitpe.pos_embed import pe_test_options, set_pe_option, set_rope_extrapolation
 from vitpe.pos_embed.functional import ROPE_SCALINGS
+from vitpe.pretrained import exported_run, is_exported
 from vitpe.runs import write_csv
 from vitpe.suggest import did_you_mean
 
@@ -81,7 +82,8 @@ def count(text: str) -> int:
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoints", nargs="+", metavar="RUN_DIR_OR_CHECKPOINT")
+    p.add_argument("checkpoints", nargs="+", metavar="RUN_OR_EXPORT",
+                   help="runs (runs/NAME), their checkpoint.pt, or folders python -m vitpe.export --hf wrote")
     p.add_argument("--resolutions", nargs="+", type=parse_resolution, metavar="N|HxW",
                    help="input sizes (default: 0.5, 0.75, 1, 1.5, 2 x each run's training size, rounded to its patch size)")
     p.add_argument("--data", help="dataset to evaluate on (default: each run's own)")
@@ -400,7 +402,16 @@ def output_dir(args: argparse.Namespace) -> Tuple[Path, bool]:
 def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets: Dict[Tuple, object]) -> RunPlan:
     """Load ``ckpt`` and its data, and check everything the evaluation will ask of it: sizes, routes, controls, the
     class names, and the memory each size needs (refused up front where one image cannot fit)."""
-    model, state = model_from_checkpoint(ckpt, map_location="cpu", ema=not args.no_ema, verify=not args.no_verify)
+    if is_exported(ckpt):  # a folder python -m vitpe.export --hf (or save_pretrained) wrote
+        model, state = exported_run(ckpt)
+        if not state["config"]["data"].get("name") and not args.data:
+            raise ConfigError(f"{ckpt} does not record the data its model was trained on; give it: --data NAME (e.g. shapes, "
+                              "imagefolder:PATH)")
+        if model.img_size[0] != model.img_size[1]:
+            raise ConfigError(f"{ckpt} was built for {model.img_size[0]}x{model.img_size[1]} images; eval.py evaluates square-trained "
+                              "models: run it in Python (vitpe.from_pretrained) at the sizes you need")
+    else:
+        model, state = model_from_checkpoint(ckpt, map_location="cpu", ema=not args.no_ema, verify=not args.no_verify)
     model.to(device)
     cfg = checkpoint_config(state)
     patch, train_size = model.patch_size, cfg.model.img_size
@@ -519,7 +530,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     datasets: Dict[Tuple, object] = {}
     given = {}
     for ckpt in args.checkpoints:  # the same checkpoint twice (RUN and RUN/checkpoint.pt): once
-        given.setdefault(find_checkpoint(ckpt).resolve(), ckpt)
+        given.setdefault((Path(ckpt) if is_exported(ckpt) else find_checkpoint(ckpt)).resolve(), ckpt)
     if len(given) < len(args.checkpoints):
         print(f"note: {len(args.checkpoints) - len(given)} checkpoint(s) given twice; each is evaluated once", file=sys.stderr)
     plans = [plan_run(ckpt, args, device, datasets) for ckpt in given.values()]

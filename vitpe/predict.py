@@ -19,12 +19,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .checkpoint import CHECKPOINT_NAME, model_from_checkpoint
+from .checkpoint import model_from_checkpoint
 from .data.augment import normalize
 from .data.images import open_image
 from .engine import memory_plan
 from .errors import run_cli
-from .pretrained import CONFIG_FILE, from_pretrained
+from .pretrained import exported_run, is_exported
 
 __all__ = ["read_images", "predict", "shipped_model", "main"]
 
@@ -47,12 +47,7 @@ def shipped_model(path: str, ema: bool = True) -> Tuple[torch.nn.Module, Dict]:
     """The model at ``path`` (a run, its checkpoint, or a folder :func:`vitpe.save_pretrained` or ``python -m
     vitpe.export --hf`` wrote) and how its images are read: ``in_chans``, ``mean``, ``std``, ``classes`` (an exported
     folder without names: the head's row numbers)."""
-    if (Path(path) / CONFIG_FILE).is_file() and not (Path(path) / CHECKPOINT_NAME).is_file():
-        model = from_pretrained(path)
-        cfg = model.pretrained_cfg
-        classes = cfg.get("label_names") or [str(i) for i in range(model.num_classes)]
-        return model, {"in_chans": model.in_chans, "mean": cfg["mean"], "std": cfg["std"], "classes": classes}
-    model, state = model_from_checkpoint(path, ema=ema)
+    model, state = exported_run(path) if is_exported(path) else model_from_checkpoint(path, ema=ema)
     return model, state["data"]
 
 

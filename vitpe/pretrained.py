@@ -12,15 +12,16 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from .checkpoint import CheckpointError, build_model, load_model_state, non_finite, shipped_cfg
 from .timm_models import GENERIC as ARCHITECTURE  # the timm name of a vitpe ViT built from its model_args
 from .vit import VisionTransformer
 
-__all__ = ["ARCHITECTURE", "CONFIG_FILE", "WEIGHTS_FILE", "save_pretrained", "from_pretrained", "preprocessing"]
+__all__ = ["ARCHITECTURE", "CONFIG_FILE", "WEIGHTS_FILE", "save_pretrained", "from_pretrained", "preprocessing", "is_exported", "exported_run"]
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+DATA_KEY = "vitpe_data"  # config.json's record of the data a run trained on (name, data_dir, test_size): eval.py's default
 
 
 def _json_args(model: VisionTransformer) -> Dict[str, Any]:
@@ -58,7 +59,8 @@ def save_pretrained(model: VisionTransformer, directory: Union[str, Path], overw
     cfg = preprocessing(model, mean, std, label_names)
     config = {"architecture": ARCHITECTURE, "num_classes": model.num_classes, "num_features": model.embed_dim, "model_args": args,
               "pretrained_cfg": {k: v for k, v in cfg.items() if k != "label_names"},
-              **({"label_names": cfg["label_names"]} if "label_names" in cfg else {})}
+              **({"label_names": cfg["label_names"]} if "label_names" in cfg else {}),
+              **({DATA_KEY: dict(model.vitpe_data)} if getattr(model, "vitpe_data", None) else {})}
     out.mkdir(parents=True, exist_ok=True)
     mode = 0o666 & ~_umask()  # safetensors writes 0600; the folder's files are as readable as any the user writes
     tmp = out / f".{WEIGHTS_FILE}.tmp"
@@ -139,4 +141,30 @@ def from_pretrained(directory: Union[str, Path], map_location: Any = "cpu") -> V
     load_model_state(model, state, str(d / WEIGHTS_FILE))
     shipped = config.get("pretrained_cfg") if isinstance(config.get("pretrained_cfg"), dict) else {}
     model.pretrained_cfg = dict(shipped, **({"label_names": config["label_names"]} if config.get("label_names") else {}))
+    model.vitpe_data = config.get(DATA_KEY) if isinstance(config.get(DATA_KEY), dict) else {}
     return model.to(map_location).eval()
+
+
+def is_exported(path: Union[str, Path]) -> bool:
+    """Whether ``path`` is a folder :func:`save_pretrained` wrote (a ``config.json``, no run checkpoint)."""
+    p = Path(path)
+    return (p / CONFIG_FILE).is_file() and not (p / "checkpoint.pt").exists()
+
+
+def exported_run(directory: Union[str, Path]) -> Tuple[VisionTransformer, Dict[str, Any]]:
+    """A folder :func:`save_pretrained` wrote, read as ``eval.py`` and ``predict`` read a run: the model, and a state
+    shaped as a checkpoint's: ``config`` (the model's settings, and under ``data`` the dataset its run trained on where
+    the folder records it), ``data`` (``classes``: ``label_names`` or the head's row numbers, ``mean``, ``std``,
+    ``in_chans``), no EMA."""
+    import dataclasses
+
+    from .config import ModelConfig
+
+    model = from_pretrained(directory)
+    cfg, names = model.pretrained_cfg, {f.name for f in dataclasses.fields(ModelConfig)}
+    settings = {k: v for k, v in _json_args(model).items() if k in names}
+    h, w = model.img_size
+    settings["img_size"] = h if h == w else [h, w]
+    classes = cfg.get("label_names") or [str(i) for i in range(model.num_classes)]
+    return model, {"config": {"model": settings, "data": dict(model.vitpe_data)}, "ema": None, "model_args": model.model_args,
+                   "data": {"classes": list(classes), "mean": cfg["mean"], "std": cfg["std"], "in_chans": model.in_chans}}
