@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
-import os
 import signal
 import sys
 import tempfile
@@ -42,7 +40,7 @@ from vitpe.errors import run_cli
 from vitpe.pos_embed import pe_test_options, set_pe_option, set_rope_extrapolation
 from vitpe.pos_embed.functional import ROPE_SCALINGS
 from vitpe.pretrained import exported_run, is_exported
-from vitpe.runs import write_csv
+from vitpe.runs import write_csv, write_json
 from vitpe.suggest import did_you_mean
 
 DEFAULT_SCALES = (0.5, 0.75, 1.0, 1.5, 2.0)
@@ -374,9 +372,9 @@ class RunPlan:
     batch: Dict[Tuple[int, int], int]  # images per batch at each size: memory bounds it
 
 
-def output_dir(args: argparse.Namespace) -> Tuple[Path, bool]:
-    """Where results go, made and checked writable before any evaluation (a sweep is never lost to a bad --out);
-    returns it and whether it was made here."""
+def output_dir(args: argparse.Namespace) -> Path:
+    """Where results go, checked writable before any evaluation (a sweep is never lost to a bad --out). A folder made
+    for the check is removed again: the first finished size makes it (:func:`write_rows`)."""
     first = Path(args.checkpoints[0])
     out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
     if not args.out:  # two evaluations within one second: the second gets its own directory
@@ -394,9 +392,9 @@ def output_dir(args: argparse.Namespace) -> Tuple[Path, bool]:
         if made and out.is_dir():
             out.rmdir()
         raise ConfigError(f"cannot write results to {out} ({e.strerror or e}); choose another --out") from None
-    if made:  # made again when the first size finishes: a sweep stopped before that leaves no empty folder
+    if made:  # a sweep stopped before its first size leaves no empty folder
         out.rmdir()
-    return out, made
+    return out
 
 
 def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets: Dict[Tuple, object]) -> RunPlan:
@@ -500,21 +498,15 @@ def write_rows(rows: List[Dict], out: Path) -> None:
     """results.json and results.csv in ``out`` (made if needed), each written whole: after every size of a sweep, so
     that a kill loses at most the size it was on."""
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(rows, out / "results.json")
+    write_json(rows, out / "results.json")
     write_csv(rows, out / "results.csv")  # per-class and per-layer lists stay in the JSON
-
-
-def _write_json(value, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value, indent=2))
-    os.replace(tmp, path)
 
 
 def write_results(rows: List[Dict], out: Path, diagnostics: int) -> List[Dict]:
     """results.json/.csv, summary.json/.csv and the plots in ``out``; returns the summary."""
     summary = sweep_summary(rows)
     write_rows(rows, out)
-    _write_json(summary, out / "summary.json")
+    write_json(summary, out / "summary.json")
     write_csv(summary, out / "summary.csv")
     data = ", ".join(sorted({r["data"] for r in rows}))
     plot(rows, out / "accuracy_vs_resolution.png", f"top-1 against resolution ({data})")
@@ -534,7 +526,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if len(given) < len(args.checkpoints):
         print(f"note: {len(args.checkpoints) - len(given)} checkpoint(s) given twice; each is evaluated once", file=sys.stderr)
     plans = [plan_run(ckpt, args, device, datasets) for ckpt in given.values()]
-    out, made = output_dir(args)
+    out = output_dir(args)
     rows: List[Dict] = []
     stopped = 0  # the signal that stopped the sweep
     try:

@@ -22,7 +22,7 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .checkpoint import CHECKPOINT_NAME, CheckpointError, model_from_checkpoint
+from .checkpoint import CheckpointError, find_checkpoint, model_from_checkpoint
 from .engine import MemoryPlanError, memory_plan
 from .predict import parse_size
 from .pretrained import preprocessing
@@ -206,7 +206,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         model, state = model_from_checkpoint(args.run, ema=not args.raw)
         weights = "raw" if args.raw or state.get("ema") is None else "EMA"
-        source = Path(args.run) / CHECKPOINT_NAME if Path(args.run).is_dir() else Path(args.run)
+        source = find_checkpoint(args.run)
         if args.onnx:
             if Path(args.onnx).exists() and Path(args.onnx).resolve() == source.resolve():
                 raise FileExistsError(f"--onnx {args.onnx} is the run's own checkpoint; write the graph elsewhere, e.g. "

@@ -12,7 +12,6 @@ classes (rows reordered to the new order), new for others, as timm's ``reset_cla
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import sys
@@ -29,7 +28,7 @@ from .config import frozen_spec
 from .coords import to_2tuple
 from .errors import VitpeError
 from .patch import resize_patch_embed
-from .pretrained import ARCHITECTURE, CONFIG_FILE, WEIGHTS_FILE
+from .pretrained import ARCHITECTURE, CONFIG_FILE, WEIGHTS_FILE, file_sha256
 from .suggest import did_you_mean
 from .vit import VisionTransformer
 
@@ -71,14 +70,6 @@ class Source:
 def _size(img_size: Any) -> str:
     h, w = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
     return str(h) if h == w else f"{h}x{w}"
-
-
-def file_sha256(path: Union[str, Path]) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_weights(path: Union[str, Path]) -> Dict[str, Tensor]:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
-from .checkpoint import CheckpointError, build_model, load_model_state, non_finite, shipped_cfg
+from .checkpoint import CHECKPOINT_NAME, CheckpointError, build_model, load_model_state, non_finite, shipped_cfg
 from .timm_models import GENERIC as ARCHITECTURE  # the timm name of a vitpe ViT built from its model_args
 from .vit import VisionTransformer
 
@@ -66,7 +66,7 @@ def save_pretrained(model: VisionTransformer, directory: Union[str, Path], overw
     tmp = out / f".{WEIGHTS_FILE}.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
     os.chmod(tmp, mode)
-    config["weights_sha256"] = _sha256(tmp)
+    config["weights_sha256"] = file_sha256(tmp)
     os.replace(tmp, out / WEIGHTS_FILE)
     tmp = out / f".{CONFIG_FILE}.tmp"
     tmp.write_text(json.dumps(config, indent=2) + "\n")
@@ -99,7 +99,8 @@ def _umask() -> int:
     return mask
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Union[str, Path]) -> str:
+    """The SHA-256 of a file's bytes, read a megabyte at a time (the weights a folder or a fine-tune records)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -131,7 +132,7 @@ def from_pretrained(directory: Union[str, Path], map_location: Any = "cpu") -> V
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{d / WEIGHTS_FILE} is not a readable safetensors file ({str(e)[:120]}); it may be truncated: write it again") from None
     recorded = config.get("weights_sha256")
-    if recorded is not None and _sha256(d / WEIGHTS_FILE) != recorded:
+    if recorded is not None and file_sha256(d / WEIGHTS_FILE) != recorded:
         raise CheckpointError(f"{d / WEIGHTS_FILE} is not the file {CONFIG_FILE} was written with (its sha256 differs from the "
                               f"recorded {str(recorded)[:12]}...): it was changed or damaged; export the model again")
     model = build_model(args, state, str(d / CONFIG_FILE), "; a newer vitpe may have written it")
@@ -148,7 +149,7 @@ def from_pretrained(directory: Union[str, Path], map_location: Any = "cpu") -> V
 def is_exported(path: Union[str, Path]) -> bool:
     """Whether ``path`` is a folder :func:`save_pretrained` wrote (a ``config.json``, no run checkpoint)."""
     p = Path(path)
-    return (p / CONFIG_FILE).is_file() and not (p / "checkpoint.pt").exists()
+    return (p / CONFIG_FILE).is_file() and not (p / CHECKPOINT_NAME).exists()
 
 
 def exported_run(directory: Union[str, Path]) -> Tuple[VisionTransformer, Dict[str, Any]]:

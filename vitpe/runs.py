@@ -138,6 +138,14 @@ def write_csv(rows: List[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def write_json(value: Any, path: Path) -> None:
+    """``value`` as indented JSON at ``path``, written atomically (beside it, then renamed)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=2))
+    os.replace(tmp, path)
+
+
 def write_metrics(run: Path, rows: List[dict]) -> None:
     """Rewrite metrics.jsonl and metrics.csv from all epochs so far (small, and exact after a resume), atomically."""
     tmp = run / f".{METRICS_JSONL}.tmp"
