@@ -4,6 +4,7 @@ front; files vitpe writes load back; images are read upright."""
 import io
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -154,8 +155,8 @@ def test_eval_refuses_a_size_that_cannot_fit_before_anything_runs(folder_run, tm
     _, _, run = folder_run
     monkeypatch.setattr(eval_script, "evaluate_at", lambda *a, **k: pytest.fail("evaluated a size that cannot fit"))
     monkeypatch.setattr(vitpe.engine, "memory_available", lambda device: 2**30)
-    with pytest.raises(MemoryPlanError, match=r"resolution 2048x2048 needs about \d+\.\d GiB for one image in .* up to about \d+x\d+"):
-        eval_script.main([str(run), "--resolutions", "16", "2048", "--out", str(tmp_path / "e")])
+    with pytest.raises(MemoryPlanError, match=r"resolution 4096x4096 needs about \d+\.\d GiB for one image in .* up to about \d+x\d+"):
+        eval_script.main([str(run), "--resolutions", "16", "4096", "--out", str(tmp_path / "e")])
     assert not (tmp_path / "e").exists()
 
 
@@ -171,7 +172,10 @@ def test_eval_lowers_the_batch_where_memory_is_short_and_makes_large_splits_batc
     assert "images per batch lowered to fit memory at 64x64: 3" in err
     assert "64x64 has 257 tokens per image: 229x the attention work of the training size 16x16 (17 tokens)" in err
     rel = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, pos_embed="rel_bias")
-    assert vitpe.engine.forward_bytes(rel, (64, 64))[0] == 4 * 2 * 257**2 * 2  # heads x tokens^2 floats, per block at most
+    look = vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, pos_embed="lookhere")
+    # heads x tokens^2 floats as built and as padded, and the int64 index: one table for rel_bias, one per block for lookhere
+    assert vitpe.engine.forward_bytes(rel, (64, 64))[0] == 4 * 257**2 * (2 * 2 + 2)
+    assert vitpe.engine.forward_bytes(look, (64, 64))[0] == 4 * 257**2 * (2 * 2 * 2 + 2)
     ds = load_dataset("shapes", train_size=8, test_size=40)
     lazy, labels = ds.split_at(False, (48, 48), max_bytes=1000)
     whole = ds.split(False, (48, 48))[0]
@@ -325,6 +329,14 @@ def test_predict_refuses_a_size_that_cannot_fit_and_training_warns_up_front(fold
     assert run_cli(predict_script.main, [str(data / "a" / "0.png"), "--run", str(run), "--size", "1024"]) == 2
     assert "resolution 1024x1024 needs about" in capsys.readouterr().err
     monkeypatch.setattr(train_script, "memory_available", lambda device: 1000)
+    # past 1.5x of what is available (the plan's measured bound) the run cannot fit: refused before its folder exists
+    assert run_cli(train_script.main, ["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "r"]) == 2
+    assert "a training step at 16 px needs about" in capsys.readouterr().err and not (tmp_path / "r").exists()
+    real = train_script.train_step_bytes
+    monkeypatch.setattr(train_script, "train_step_bytes", lambda m, size, batch: real(m, size, batch) * 1000 // real(m, size, 32))
+    assert run_cli(train_script.main, ["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "r", "--set", "train.batch_size=64"]) == 2
+    assert re.search(r"lower train.batch_size to 4[78] or less", capsys.readouterr().err)  # 1.5x the 32 images that fit exactly
+    monkeypatch.setattr(train_script, "memory_available", lambda device: 800)  # within the plan's bound: a warning, then the run
     assert train_script.main(["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "w"]) == 0
     assert "warning: a training step at 16 px may hold up to" in capsys.readouterr().out
 

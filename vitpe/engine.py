@@ -16,7 +16,7 @@ from .data.augment import normalize, tta_views
 from .errors import VitpeError
 
 __all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "Scores", "evaluate", "evaluate_native", "memory_available",
-           "score_bytes", "attention_bytes", "forward_bytes", "memory_plan", "MemoryPlanError"]
+           "gib", "score_bytes", "attention_bytes", "forward_bytes", "memory_plan", "MemoryPlanError"]
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -69,6 +69,11 @@ def _tokens(model: nn.Module, size: Sequence[int], patch_size: Optional[int]) ->
     return (size[0] // p) * (size[1] // p) + model.num_prefix_tokens
 
 
+def gib(n: float) -> str:
+    """Bytes for a message: GiB with one decimal, MiB below a tenth of one (so a small plan is not "0.0 GiB")."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.1f} MiB"
+
+
 def score_bytes(heads: int, tokens: int) -> int:
     """Bytes one image holds where a layer's attention is computed explicitly (the attention diagnostics; autograd
     through an unfused kernel): every head's query-key scores, their softmax and one more of their size in float32."""
@@ -80,13 +85,30 @@ def attention_bytes(model: nn.Module, size: Sequence[int], patch_size: Optional[
     return score_bytes(model.blocks[0].attn.num_heads, _tokens(model, size, patch_size))
 
 
-def forward_bytes(model: nn.Module, size: Sequence[int], patch_size: Optional[int] = None) -> Tuple[int, int]:
-    """What a vitpe ViT's inference at ``size = (h, w)`` holds, as ``(shared, per_image)`` bytes: attention runs in
-    SDPA's fused kernel, so an image holds its activations (about 16 floats per token and channel, as a bound), and a
-    PE with an attention bias holds its table once per batch, one per block at most (heads x tokens^2 floats)."""
+def forward_bytes(model: nn.Module, size: Sequence[int], patch_size: Optional[int] = None, explicit: bool = False) -> Tuple[int, int]:
+    """What a vitpe ViT's inference at ``size = (h, w)`` holds at its peak, as ``(shared, per_image)`` bytes (measured
+    within 1.5x for every family at three sizes, tests/test_reliability.py). Attention runs in SDPA's fused kernel, so
+    an image holds one block's activations and what its PE appends to q and k; the batch shares the PE's bias tables
+    (heads x tokens^2 floats each, as built and padded for the prefix tokens, with the index that spreads them) and its
+    per-token tables. ``explicit``: attention computed as written, as onnxruntime runs an exported graph: each image
+    also holds its scores and their softmax."""
     tokens, heads = _tokens(model, size, patch_size), model.blocks[0].attn.num_heads
-    biased = getattr(getattr(model, "pos_embed", None), "biased", True)  # unknown: as if it had one
-    return (4 * heads * tokens**2 * len(model.blocks) if biased else 0), 16 * 4 * tokens * model.embed_dim
+    pe = getattr(model, "pos_embed", None)
+    vitpe_pe = hasattr(pe, "bias_tables")  # else an unequipped timm model
+    per_token, table_floats = (pe.infer_floats_per_token(), pe.table_floats_per_token()) if vitpe_pe else (0, 0)
+    shared = _bias_bytes(model, tokens) + 4 * tokens * table_floats
+    hidden = model.blocks[0].mlp.fc2.in_features if hasattr(model.blocks[0].mlp, "fc2") else 4 * model.embed_dim
+    # a block's input, q, k, v and output, the MLP's hidden layer before and after its activation
+    per_image = 4 * tokens * (5 * model.embed_dim + 2 * hidden + per_token) + (8 * heads * tokens**2 if explicit else 0)
+    return shared, per_image
+
+
+def _bias_bytes(model: nn.Module, tokens: int) -> int:
+    """The attention bias tables a grid of ``tokens`` holds: heads x tokens^2 floats each, as built and as padded for the
+    prefix tokens, and the int64 index that spreads them (a model without a vitpe PE: as if one bias per block)."""
+    pe = getattr(model, "pos_embed", None)
+    tables = pe.bias_tables if hasattr(pe, "bias_tables") else len(model.blocks)
+    return 4 * tokens**2 * (2 * model.blocks[0].attn.num_heads * tables + 2) if tables else 0
 
 
 def train_step_bytes(model: nn.Module, size: Sequence[int], batch: int) -> int:
@@ -102,27 +124,28 @@ def train_step_bytes(model: nn.Module, size: Sequence[int], batch: int) -> int:
     per_image = blocks * 4 * tokens * floats
     if pe is None or getattr(pe, "learned_bias", True):
         per_image += blocks * 3 * 2 * heads * tokens**2  # probabilities saved, and the gradient being formed (1.5x measured)
-    shared = 2 * forward_bytes(model, size)[0]  # the bias tables and their gradients
+    shared = 2 * _bias_bytes(model, tokens)  # the bias tables and their gradients
     return shared + batch * per_image
 
 
 def memory_plan(model, sizes: List[Tuple[Tuple[int, int], Optional[int]]], batch_size: int, device: torch.device,
-                source: str, train_size: Optional[Sequence[int]] = None) -> Dict[Tuple[int, int], int]:
+                source: str, train_size: Optional[Sequence[int]] = None, explicit: bool = False) -> Dict[Tuple[int, int], int]:
     """Images per batch at each size ``(h, w)`` of ``sizes`` (each with the patch size it runs at, None: the model's), so
     that a batch (:func:`forward_bytes`) takes at most half the memory available now; a size where one image cannot fit
     is refused here, before anything runs, with what it needs and the largest square size that fits. Said in one line
-    each: sizes whose batch had to shrink, and sizes whose attention costs far more per image than at ``train_size``."""
+    each: sizes whose batch had to shrink, and sizes whose attention costs far more per image than at ``train_size``.
+    ``explicit``: the attention is computed as written (onnxruntime), see :func:`forward_bytes`."""
     budget = memory_available(device) // 2
     out: Dict[Tuple[int, int], int] = {}
     shrunk, slow = [], []
     for hw, patch in sorted(dict.fromkeys(sizes), key=lambda s: s[1] or 0):  # the model's own patch (most tokens) first
         if hw in out:
             continue
-        shared, each = forward_bytes(model, hw, patch)
+        shared, each = forward_bytes(model, hw, patch, explicit)
         if shared + each > budget:
-            side = next(s for s in range(model.patch_size, 100_000, model.patch_size) if sum(forward_bytes(model, (s, s))) > budget)
-            raise MemoryPlanError(f"resolution {hw[0]}x{hw[1]} needs about {(shared + each) / 2**30:.1f} GiB for one image in {source} "
-                                  f"({_tokens(model, hw, patch):,} tokens) and {device} has {2 * budget / 2**30:.1f} GiB available; "
+            side = next(s for s in range(model.patch_size, 100_000, model.patch_size) if sum(forward_bytes(model, (s, s), None, explicit)) > budget)
+            raise MemoryPlanError(f"resolution {hw[0]}x{hw[1]} needs about {gib(shared + each)} for one image in {source} "
+                                  f"({_tokens(model, hw, patch):,} tokens) and {device} has {gib(2 * budget)} available; "
                                   f"use sizes up to about {side - model.patch_size}x{side - model.patch_size}")
         out[hw] = max(1, min(batch_size, (budget - shared) // each))
         if out[hw] < batch_size:

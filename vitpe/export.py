@@ -214,7 +214,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sizes = args.check or _default_sizes(model) if args.check is not None else []
             for size in sizes:
                 model.grid_size(size)
-            batch = min(memory_plan(model, [(s, None) for s in sizes], 2, torch.device("cpu"), str(args.run)).values(), default=2)
+            batch = min(memory_plan(model, [(s, None) for s in sizes], 2, torch.device("cpu"), str(args.run),
+                                    explicit=True).values(), default=2)
             path = export_onnx(model, args.onnx, overwrite=args.overwrite)
             print(f"wrote {path} ({weights} weights; any height and width that are multiples of {model.patch_size})")
             if sizes:

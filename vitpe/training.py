@@ -38,7 +38,7 @@ from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, crop_boxes, normalize
 from vitpe.data.datasets import TRAIN_SIZES
 from vitpe.data.mixed import draw_sizes, mixed_batch
-from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, memory_available, resolve_device, seed_step, train_step_bytes
+from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, gib, memory_available, resolve_device, seed_step, train_step_bytes
 from vitpe.errors import VitpeError, run_cli
 from vitpe.finetune import FINE_TUNABLE, Source, freeze, read_source, source_model_args, start_model
 from vitpe.pos_embed import NO_POS_EMBED
@@ -513,10 +513,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         log(f"train.freeze={cfg.train.freeze}: {len(frozen)} of {len(list(model.parameters()))} parameter tensors frozen "
             f"({sum(p.numel() for p in model.parameters() if p.requires_grad):,} parameters train)")
     model = model.to(device)
-    step_bytes, available = train_step_bytes(model, (max(sizes),) * 2, cfg.train.batch_size // world), memory_available(device)
+    per_process = cfg.train.batch_size // world
+    step_bytes, available = train_step_bytes(model, (max(sizes),) * 2, per_process), memory_available(device)
+    if step_bytes > 1.5 * available:  # the plan is within 1.5x of a measured step: this one cannot fit
+        fits = max((b for b in range(1, per_process) if 1.5 * available >= train_step_bytes(model, (max(sizes),) * 2, b)), default=0)
+        fix = f"lower train.batch_size to {fits * world} or less" if fits else "no batch fits at this size: lower model.img_size"
+        raise ConfigError(f"a training step at {max(sizes)} px needs about {gib(step_bytes)} ({per_process} images x "
+                          f"{len(model.blocks)} blocks) and {device} has {gib(available)} available; {fix}, or raise "
+                          "model.patch_size")
     if step_bytes > available:
-        log(f"warning: a training step at {max(sizes)} px may hold up to {step_bytes / 2**30:.1f} GiB ({cfg.train.batch_size // world} "
-            f"images x {len(model.blocks)} blocks) and {device} has {available / 2**30:.1f} GiB available; if it runs "
+        log(f"warning: a training step at {max(sizes)} px may hold up to {gib(step_bytes)} ({per_process} "
+            f"images x {len(model.blocks)} blocks) and {device} has {gib(available)} available; if it runs "
             "out of memory, lower train.batch_size or model.img_size, or raise model.patch_size")
     with _quiet("timm.optim._param_groups"):
         optimizer = create_optimizer_v2(model, "adamw", lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, layer_decay=cfg.train.layer_decay)

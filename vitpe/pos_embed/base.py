@@ -277,6 +277,22 @@ class PosEmbed(nn.Module):
         training step's memory plan adds them; 0: none worth counting)."""
         return 0
 
+    @property
+    def bias_tables(self) -> int:
+        """How many ``heads x tokens^2`` tables the attention bias holds (0: no bias; one per block where it differs by
+        block): the memory plans count them."""
+        return 1 if self.biased else 0
+
+    def infer_floats_per_token(self) -> int:
+        """Numbers per token of each image an inference holds in a block beyond its activations (features appended to
+        q and k): the inference memory plans add them."""
+        return 0
+
+    def table_floats_per_token(self) -> int:
+        """Numbers per token the cached context holds for a grid, shared by the batch (per-token rotation matrices):
+        the memory plans add them."""
+        return 0
+
     def rope_mix(self) -> Optional[Tensor]:
         return None
 

@@ -311,6 +311,10 @@ class LookHere(PosEmbed):
         self.slopes.copy_(self._global_slope * layers * 2.0 ** -(1 + groups.float()))
         self.clear_cache()
 
+    @property
+    def bias_tables(self) -> int:
+        return self.depth  # a slope per block
+
     def bias(self, grid: PatchGrid) -> Tensor:
         def build():
             offsets, index = _offsets_and_index(self, grid)
@@ -321,7 +325,9 @@ class LookHere(PosEmbed):
                 values = values.flatten(1, 2)[:, index]  # (L, N, N, H)
             return heads_first(values)  # (L, [B], H, N, N)
 
-        return self.memo(grid, "bias", build)
+        # Not memoised: the context caches this table padded for the prefix tokens, and a second copy of depth x heads x
+        # tokens^2 floats was the largest thing an evaluation at a large size held.
+        return build()
 
 
 @register_pos_embed("alibi2d")
@@ -357,7 +363,7 @@ class ALiBi2d(PosEmbed):
             offsets, index = _offsets_and_index(self, grid)
             return _spread(alibi2d_bias(offsets, self.base_slopes * self._slope_scale), index)
 
-        return self.memo(grid, ("bias", self._slope_scale), build)
+        return build()  # not memoised: the context keeps it (padded), one heads x tokens^2 table is enough
 
 
 def set_lookhere_slope(module: nn.Module, global_slope: float) -> List[str]:

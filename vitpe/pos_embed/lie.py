@@ -64,6 +64,12 @@ class MatrixRotary(PosEmbed):
         # each token's rotation blocks (heads x head_dim x block_size) and matrix_exp's saved intermediates: 1.5x measured
         return 3 * self.dim * self.block_size // 2
 
+    def table_floats_per_token(self) -> int:
+        # the rotation blocks of each layer (dim x block_size a token) while matrix_exp's working copies exist: about 12x
+        # of them measured, 6x where the exponentials factor over a lattice's rows and columns
+        layers = self.depth if self.per_layer else 1
+        return (6 if self.commuting else 12) * layers * self.dim * self.block_size
+
     def __init__(self, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, *, block_size: int = 8,
                  init_std: Optional[float] = None, per_layer: bool = True, scaling: str = "none") -> None:
         super().__init__(dim, num_heads, ref_grid, depth)

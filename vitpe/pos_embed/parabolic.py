@@ -44,6 +44,10 @@ class PaPE(PosEmbed):
         # per head: 3P+2 features on q, on k and (zero padding) on v, the P coefficients' inputs and outputs; 2x measured
         return self.num_heads * (24 * self.parabolas + 12)
 
+    def infer_floats_per_token(self) -> int:
+        # per head: 3P+2 features on q, on k and (zero padding) on v, and the coefficients' 2P outputs twice (measured)
+        return self.num_heads * (15 * self.parabolas + 6)
+
     def qk_features(self, layer: int, x: Tensor, grid: PatchGrid) -> Tuple[Tensor, Tensor]:
         h, k = self.num_heads, self.parabolas
         proj = self.position[layer]

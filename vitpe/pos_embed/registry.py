@@ -145,6 +145,16 @@ class CombinedPosEmbed(PosEmbed):
         return sum(p.train_floats_per_token() for p in self.parts)
 
     @property
+    def bias_tables(self) -> int:
+        return sum(p.bias_tables for p in self.parts)
+
+    def infer_floats_per_token(self) -> int:
+        return sum(p.infer_floats_per_token() for p in self.parts)
+
+    def table_floats_per_token(self) -> int:
+        return sum(p.table_floats_per_token() for p in self.parts)
+
+    @property
     def reads_coords(self) -> bool:
         return any(p.reads_coords for p in self.parts)
 

@@ -159,6 +159,10 @@ class RotaryPosEmbed(PosEmbed):
                              "regular grid: per-image or augmented coordinates have none (set cell_offset=0 to train with them)")
         return self.offset + self.cell_offset * step
 
+    def table_floats_per_token(self) -> int:
+        # a block's angles as cos, sin and their complex form: 4 numbers a rotated pair (per-block frequencies: each block's)
+        return 2 * self.dim * (self.depth if getattr(self, "per_layer", False) else 1)
+
     def rope_angles(self, grid: PatchGrid) -> Tensor:
         if any(p.requires_grad for p in self.parameters()):
             return self._angles(grid)
