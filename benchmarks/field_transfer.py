@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATASETS = ("gratings", "fashion_mnist")
 CONFIGS = {"gratings": ROOT / "configs" / "study_gratings.yaml", "fashion_mnist": ROOT / "configs" / "study_fashion_mnist.yaml"}
 FAMILIES = ("none", "sincos2d", "learned", "rel_bias", "cpb", "rope_axial", "rope_mixed", "fire", "lookhere", "alibi2d", "pape")
-RECIPES = ("plain", "field")
+RECIPES = ("plain", "crops", "field")
 FIELD_CROP = "[0.25, 1.0]"  # RandomResizedCrop's area range at 32 px (DeiT's 0.08 leaves a few patches of a 28-px image)
 FIELD_COORDS = "{shift: 1.0, rescale: 2.0, jitter: 1.25, per_image: false}"  # DINOv3's RoPE augmentation, a draw per batch
 SCALES = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
@@ -63,9 +63,9 @@ FIELDS = ("data", "pos_embed", "recipe", "seed", "epochs", "converged", "last_fi
 def run_args(data: str, family: str, recipe: str, seed: int, epochs: int, config: Optional[str], extra: List[str]) -> List[str]:
     """``train.py`` arguments of a row."""
     sets = [f"train.seed={seed}", f"train.epochs={epochs}", *PE_OPTIONS.get(family, []), *extra]
-    if recipe == "field":
+    if recipe in ("crops", "field"):  # crops: the content scale augmentation alone, to part its effect from the coordinates'
         sets.append(f"data.crop_scale={FIELD_CROP}")
-        if vitpe.pos_embed_info(family)["reads_coords"]:
+        if recipe == "field" and vitpe.pos_embed_info(family)["reads_coords"]:
             sets.append(f"model.coord_aug={FIELD_COORDS}")
     return ["--config", str(config or CONFIGS[data]), "--pe", family, *[a for s in sets for a in ("--set", s)]]
 
@@ -275,7 +275,17 @@ def report(rows: List[Dict], out: Path, figures: bool = False) -> None:
         lines.append("")
         if figures:
             plot(rows, data, out)
-    (out / "table.md").write_text("\n".join(lines))
+    lines += ["## Cost", "", "Training time of each row's run (one process a core, two or three rows sharing a 2-core machine), from the "
+              "record's train_time_s; evaluation is not in it.", "",
+              "| data | rows | training minutes a row: fewest / median / most | training process-hours |", "| --- | ---: | --- | ---: |"]
+    for data in DATASETS:
+        runs = {key_of(r): r["train_time_s"] / 60 for r in rows if r["data"] == data}
+        if runs:
+            t = sorted(runs.values())
+            lines.append(f"| {data} | {len(t)} | {t[0]:.1f} / {statistics.median(t):.1f} / {t[-1]:.1f} | {sum(t) / 60:.1f} |")
+    every = [r["train_time_s"] / 60 for r in {key_of(r): r for r in rows}.values()]
+    lines.append(f"| all | {len(every)} | | {sum(every) / 60:.1f} |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:

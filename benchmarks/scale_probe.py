@@ -26,7 +26,6 @@ entry) and OUT/scale_probe.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import tempfile
@@ -49,11 +48,15 @@ DEFAULT_OUT = ROOT / "docs" / "resolution_transfer" / "scale_probe"
 
 
 def coarsened(grid: PatchGrid, k: int) -> PatchGrid:
-    """``grid`` with every ``k x k`` block of tokens at its block's mean coordinate: in interpolate and normalize mode
-    exactly the coordinates of the grid ``k`` times coarser, each repeated over its block."""
+    """``grid`` with every ``k x k`` block of tokens at its block's mean coordinate: in interpolate mode exactly the
+    coordinates of the grid ``k`` times coarser, each repeated over its block. Not a lattice, so coordinates given
+    directly (every PE reads them, the bias families too), with ``grid``'s extent (FIRE's normaliser)."""
+    if grid.mode == "normalize":  # given directly, coordinates are in reference patches, and normalize's are not
+        raise ValueError("the positions cell needs coordinates in reference patches: probe with --coord-mode interpolate "
+                         "or extrapolate")
     h, w = grid.size
     c = grid.coords.reshape(h // k, k, w // k, k, 2).mean((1, 3), keepdim=True).expand(-1, k, -1, k, -1)
-    return dataclasses.replace(grid, coords=c.reshape(h * w, 2), spacing=None, key=None)  # not a lattice: no shortcut
+    return PatchGrid.from_coords(c.reshape(h * w, 2), grid.size, grid.ref, extent=tuple(grid.extent().tolist()))
 
 
 @contextmanager
@@ -144,6 +147,8 @@ def markdown(results: List[Dict]) -> str:
         lines += [f"## `{r['pos_embed']}`{sizes}, {r['scale']}x, {r['coord_mode']} ({r['run']}, {r['epochs']} epochs, n={r['n']})", "",
                   "| cell | top-1 | change |", "| --- | ---: | ---: |"]
         lines += [f"| {c['cell']} | {100 * c['top1']:.1f}% | {100 * c['change']:+.1f} |" for c in r["cells"]]
+        if r.get("note"):
+            lines += ["", r["note"]]
         if r.get("shifts"):  # (results probed before the shifts were recorded have none)
             lines += ["", f"Where each class that loses goes at {r['scale']}x:", "",
                       f"| class | top-1 at 1x | top-1 at {r['scale']}x | most taken for | share |", "| --- | ---: | ---: | --- | ---: |"]
@@ -165,7 +170,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("runs", nargs="*", help="run directories (or their checkpoint files)")
     p.add_argument("--scale", type=int, default=4, help="the larger size, in multiples of the training size (an integer, 2 or more)")
     p.add_argument("--test-size", type=int, default=1000, help="test images (the resolution study's 1000 by default)")
-    p.add_argument("--coord-mode", choices=COORD_MODES, default="interpolate", help="the coordinate route's mode")
+    p.add_argument("--coord-mode", choices=[m for m in COORD_MODES if m != "normalize"], default="interpolate",
+                   help="the coordinate route's mode (normalize's coordinates cannot be given directly in reference patches)")
     p.add_argument("--out", help=f"where scale_probe.json and .md go (default: {DEFAULT_OUT.relative_to(ROOT)})")
     p.add_argument("--smoke", action="store_true", help="train a tiny run for one epoch and probe it at 2x")
     args = p.parse_args(argv)

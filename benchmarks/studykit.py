@@ -21,7 +21,7 @@ from vitpe.training import main as train_main
 from vitpe.training import parse_args, resolve_config
 
 ROOT = Path(__file__).resolve().parents[1]
-CONVERGED_POINTS = 0.3  # a run has converged when its test top-1 rose by less than this over the last fifth of its epochs
+CONVERGED_POINTS = 0.3  # a run has converged when its test top-1 trend over the last fifth of its epochs is smaller than this, either way
 
 
 def train_or_reuse(run: Path, args: List[str], label: str) -> Path:
@@ -167,11 +167,20 @@ def sdpa_override(fn: Callable[..., Tensor]) -> Iterator[List[int]]:
 
 
 def convergence(metrics: List[Dict]) -> Dict:
-    """The test top-1 gain over the last fifth of the epochs (the last epoch against the one a fifth before it)."""
+    """Whether a run's test top-1 had stopped moving: the least-squares trend of its last fifth of epochs (four epochs
+    at least), in points over that stretch. A trend up or down of CONVERGED_POINTS or more is not converged: a fall is a run
+    still moving (or breaking), not one that has settled, and one noisy last epoch neither makes nor breaks it."""
     top1 = [m["test_top1"] for m in metrics]
-    back = max(1, round(len(top1) / 5))
-    gain = 100 * (top1[-1] - top1[-1 - back]) if len(top1) > back else float("nan")
-    return {"epochs": len(top1), "last_fifth_gain_points": round(gain, 2), "converged": bool(gain < CONVERGED_POINTS),
+    back = max(3, round(len(top1) / 5))  # four epochs at least: a trend, not the last epoch's noise
+    window = top1[-(back + 1):]
+    if len(window) < 4:
+        gain = float("nan")
+    else:
+        xs = range(len(window))
+        mx, my = sum(xs) / len(window), sum(window) / len(window)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, window)) / sum((x - mx) ** 2 for x in xs)
+        gain = 100 * slope * back
+    return {"epochs": len(top1), "last_fifth_gain_points": round(gain, 2), "converged": bool(abs(gain) < CONVERGED_POINTS),
             "last_epoch_test_top1": metrics[-1].get("test_top1"), "train_acc": metrics[-1].get("train_acc"),
             "train_wall_s": round(metrics[-1].get("wall_s", float("nan")), 1), "train_time_s": round(training_time(metrics), 1)}
 

@@ -1,5 +1,6 @@
 """The benchmark scripts' seconds-long smoke modes, so that they do not rot between hand-run studies."""
 import argparse
+import csv
 import json
 import math
 import re
@@ -60,10 +61,15 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     assert all(len(r["attn_entropy"]) == 2 and len(r["attn_distance_ref"]) == 2 for r in coords)  # per layer (depth 2)
     assert all(isinstance(r["converged"], bool) and r["epochs"] == 2 for r in rows)  # the longer run is the one measured
     table = (tmp_path / "table.md").read_text()
-    for text in ("## shapes (trained at 16 px)", "| converged | train top-1 | 1x top-1 |", "### shapes: interpolate",
-                 "| learned |", "### shapes: extrapolate+yarn",
+    for text in ("## shapes (trained at 16 px)", "| converged | train top-1 | 1x top-1 |", "| learned |", "[cells.csv](cells.csv)",
                  "FIRE: better than RoPE far from the training size: not measured yet", "last layer's attention"):
         assert text in table
+    # every cell of every route is a line of cells.csv, a record beside the page (the page stays under 25 KB)
+    with open(tmp_path / "cells.csv", newline="") as f:
+        cells = list(csv.DictReader(f))
+    assert {(c["row"], c["route"]) for c in cells} >= {("learned", "interpolate"), ("learned", "patch"), ("rope_axial:multires", "extrapolate+yarn")}
+    assert all(c["seeds"] == "1" and float(c["top1_mean"]) >= 0 for c in cells)
+    assert any(c["attn_entropy"] != "" for c in cells if c["route"] == "interpolate")
     assert (tmp_path / "shapes.png").stat().st_size > 5000 and not (tmp_path / "shapes_attention.png").exists()
     runs_md = (tmp_path / "trained.md").read_text()  # every run trained, the shorter of a doubled row too, in row order
     assert "nan" not in runs_md  # one epoch has no last fifth: "-"
@@ -419,6 +425,18 @@ def test_scale_probe_takes_positions_grid_and_content_apart(tmp_path):
     fine, coarse = model.patch_grid((8, 8), torch.device("cpu")), model.patch_grid((4, 4), torch.device("cpu"))
     blocks = coarse.coords.reshape(4, 1, 4, 1, 2).expand(-1, 2, -1, 2, -1).reshape(64, 2)
     assert torch.allclose(probe.coarsened(fine, 2).coords, blocks, atol=1e-6) and probe.coarsened(fine, 2).key is None
+    assert torch.equal(probe.coarsened(fine, 2).extent(), fine.extent())  # FIRE's normaliser: the image's, not the span's
+    # The bias families read the coarsened positions (the probe once gave fire and lookhere the 2x lattice's bias, since a
+    # grid that kept its mode was read as that mode's lattice): their bias is the 1x grid's, repeated over the blocks.
+    for family in ("fire", "lookhere", "alibi2d", "rel_bias", "cpb"):
+        pe = vitpe.build_pos_embed(family, dim=32, num_heads=2, ref_grid=(4, 4)).eval()
+        with torch.no_grad():
+            got, at_1x = pe.bias(probe.coarsened(fine, 2)), pe.bias(coarse)
+        at_1x = at_1x.reshape(*at_1x.shape[:-2], 4, 1, 4, 1, 4, 1, 4, 1).expand(*at_1x.shape[:-2], 4, 2, 4, 2, 4, 2, 4, 2)
+        assert torch.allclose(got, at_1x.reshape(got.shape), atol=1e-5), family
+        assert not torch.allclose(got, pe.bias(fine), atol=1e-3), family
+    with pytest.raises(ValueError, match="needs coordinates in reference patches"):
+        probe.coarsened(model.patch_grid((8, 8), torch.device("cpu")).in_mode("normalize"), 2)
     # Pooled tokens: the 2x image's grid carrying the pooled image's tokens, each repeated 2x2; the hooks go on exit.
     x = torch.randn(2, 3, 32, 32)
     with probe.pooled_tokens(model, 2):
@@ -688,7 +706,7 @@ def test_field_transfer_smoke(tmp_path):
     study = load_benchmark("field_transfer")
     assert study.main(["--smoke", "--out", str(tmp_path), "--families", "sincos2d", "none"]) == 0
     rows = study.load_results(tmp_path)
-    assert {(r["pos_embed"], r["recipe"]) for r in rows} == {(f, r) for f in ("sincos2d", "none") for r in ("plain", "field")}
+    assert {(r["pos_embed"], r["recipe"]) for r in rows} == {(f, r) for f in ("sincos2d", "none") for r in ("plain", "crops", "field")}
     sincos = [r for r in rows if r["pos_embed"] == "sincos2d" and r["recipe"] == "plain"]
     assert {(r["route"], r["coord_mode"]) for r in sincos} == {("coords", "interpolate"), ("coords", "extrapolate"),
                                                                ("patch", "interpolate"), ("resize", "interpolate")}
@@ -697,6 +715,8 @@ def test_field_transfer_smoke(tmp_path):
     field = study.run_args("gratings", "sincos2d", "field", 0, 8, None, [])
     assert "data.crop_scale=[0.25, 1.0]" in field and any(a.startswith("model.coord_aug=") for a in field)
     assert not any(a.startswith("model.coord_aug=") for a in study.run_args("gratings", "none", "field", 0, 8, None, []))
+    crops = study.run_args("gratings", "sincos2d", "crops", 0, 8, None, [])  # the crops alone: their effect apart from the coordinates'
+    assert "data.crop_scale=[0.25, 1.0]" in crops and not any(a.startswith("model.coord_aug=") for a in crops)
     table = (tmp_path / "table.md").read_text()
     assert "| sincos2d | field | 1 |" in table and "| none | plain | 1 |" in table
     assert study.main(["--smoke", "--out", str(tmp_path), "--families", "sincos2d", "none"]) == 0
@@ -717,7 +737,7 @@ def test_field_transfer_reports_a_snapped_size_under_its_planned_scale(tmp_path)
     assert [round(x, 6) for x in study.changes(rows, "fashion_mnist", "rope_mixed", "field", "coords", "interpolate", 1.5)] == [-10.0]
     assert [round(x, 6) for x in study.changes(rows, "fashion_mnist", "rope_mixed", "field", "patch", "interpolate", 1.5)] == [-2.0]
     assert study.changes(rows, "fashion_mnist", "rope_mixed", "field", "coords", "interpolate", 2.0) == []
-    study.report([{**r, "epochs": 8, "converged": True, "last_fifth_gain_points": 0.0} for r in rows], tmp_path)
+    study.report([{**r, "epochs": 8, "converged": True, "last_fifth_gain_points": 0.0, "train_time_s": 600.0} for r in rows], tmp_path)
     table = (tmp_path / "table.md").read_text()
     assert "coordinate and resize routes 28, 40; patch route 42." in table
     assert "| rope_mixed | field | 1 | 90.0 | -10.0 / - / -5.0 |" in table
@@ -739,6 +759,40 @@ def test_finetune_study_smoke(tmp_path):
     assert load_checkpoint(tmp_path / "runs" / "shapes-ft64keep-seed0")["config"]["model"]["img_size"] == 16
     assert study.main(["--smoke", "--out", str(tmp_path), "--seeds", "0"]) == 0  # nothing left to do
     assert "| shapes: arm (route) |" in study.table(rows, "shapes") and "| ft64 (coords) | 1 |" in study.table(rows, "shapes")
+
+
+def test_routes_study_smoke(tmp_path):
+    """The routes study on tiny runs: multi and one trained first, the fine-tunes from one, each measured by its routes
+    into the record; a second call trains nothing; the table shows absolute top-1 at every size with retention."""
+    study = load_benchmark("routes")
+    assert study.main(["--smoke", "--out", str(tmp_path), "--seeds", "0"]) == 0
+    rows = study.load_results(tmp_path / "results.csv")
+    assert {r["arm"] for r in rows} == set(study.ARMS)
+    one = {(r["route"], r["resolution"]) for r in rows if r["arm"] == "one"}
+    assert {("coords", s) for s in study.SIZES} <= one and {("resize", 64), ("resize", 128), ("resize", 16)} <= one
+    assert {(r["route"], r["resolution"]) for r in rows if r["arm"] == "ft48"} == {("coords", 32), ("coords", 48)}
+    assert all(r["source_time_s"] > 0 for r in rows if r["arm"].startswith("ft"))
+    assert load_checkpoint(tmp_path / "runs" / "shapes-ft48-seed0")["config"]["train"]["resolutions"] == [48]
+    assert study.main(["--smoke", "--out", str(tmp_path), "--seeds", "0"]) == 0  # nothing left to do
+    table = study.table(rows, "shapes")
+    assert "| trained at 16-48 px (multi), coordinates | 1 |" in table and "| one, then fine-tuned at the size" in table
+    assert "4x (128 px) | retention 2x | retention 4x |" in table
+
+
+def test_convergence_is_a_flat_trend_not_a_fall_or_one_last_epoch():
+    """A run converged when the least-squares trend of its last fifth of epochs is under 0.3 points either way: a fall
+    is a run still moving, and one noisy last epoch does not decide it."""
+    kit = load_benchmark("studykit")
+
+    def verdict(top1):
+        return kit.convergence([{"test_top1": t, "wall_s": 1.0, "epoch_s": 1.0} for t in top1])
+
+    flat = [0.5, 0.8, 0.9, 0.95, 0.951, 0.952, 0.951, 0.952, 0.951, 0.952]
+    assert verdict(flat)["converged"]
+    assert not verdict([0.5, 0.8, 0.9, 0.95, 0.96, 0.96, 0.95, 0.94, 0.93, 0.92])["converged"]  # falling: not settled
+    assert not verdict([0.5, 0.6, 0.7, 0.8, 0.85, 0.88, 0.9, 0.92, 0.94, 0.96])["converged"]  # rising
+    assert verdict(flat[:-1] + [0.949])["converged"]  # one epoch a little down is noise on a flat trend
+    assert verdict([0.5, 0.9])["last_fifth_gain_points"] != verdict([0.5, 0.9])["last_fifth_gain_points"]  # too short: nan
 
 
 def test_finetune_study_small_data_smoke(tmp_path):

@@ -363,8 +363,6 @@ def test_evaluate_with_test_time_views_averages_the_probabilities():
 
 
 def test_evaluate_gives_each_batch_the_coordinates_grid_of_returns():
-    import dataclasses
-
     import vitpe
     from vitpe.data.augment import normalize
     from vitpe.engine import evaluate
@@ -374,7 +372,7 @@ def test_evaluate_gives_each_batch_the_coordinates_grid_of_returns():
                                     pos_embed="sincos2d").eval()
     images, labels = torch.randint(0, 256, (40, 1, 8, 8), dtype=torch.uint8), torch.randint(0, 4, (40,))
     own = model.patch_grid((2, 2), torch.device("cpu"))
-    flipped = dataclasses.replace(own, coords=own.coords.flip(0), spacing=None, key=None)  # the tokens' positions reversed
+    flipped = vitpe.PatchGrid.from_coords(own.coords.flip(0), own.size, own.ref)  # the tokens' positions reversed
     calls = []
 
     def grid_of(m, x):

@@ -35,9 +35,10 @@ def test_readme_and_docs_stay_small():
     assert readme <= MAX_README, f"README.md is {readme:,} bytes: at most {MAX_README:,} (move detail to a docs page)"
     docs = sum(p.stat().st_size for p in files if p.is_relative_to(ROOT / "docs"))
     assert docs <= MAX_DOCS, f"docs/ holds {docs / MB:.1f} MB: at most {MAX_DOCS / MB:.0f} MB"
-    pages = {p.name: p.stat().st_size for p in (ROOT / "docs").glob("*.md")}
+    # a generated table is read as a page too: past the limit its cells belong in the study's CSV
+    pages = {str(p.relative_to(ROOT)): p.stat().st_size for p in files if p.is_relative_to(ROOT / "docs") and p.suffix == ".md"}
     long = {name: size for name, size in pages.items() if size > MAX_PAGE}
-    assert not long, f"docs pages over {MAX_PAGE:,} bytes (one question a page, answer first): {long}"
+    assert not long, f"docs pages over {MAX_PAGE:,} bytes (one question a page, answer first; a table's cells in its CSV): {long}"
 
 
 def test_generated_files_are_ignored():

@@ -99,6 +99,7 @@ def test_which_pe_table_is_the_study_record():
     section = (ROOT / "docs" / "which_pe.md").read_text()
     # Two tables: the rows trained at several sizes (their header says so), then those trained at 32 px only.
     tables = [block.splitlines() for block in re.findall(r"^\|.*?(?=\n\n|\Z)", section, flags=re.S | re.M)]
+    tables = [t for t in tables if t[0].startswith("| PE")]  # the routes table is routes/table.md's (test_page_numbers.py)
     multires = [t for t in tables if "trained at 16-64 px" in t[0]]
     assert len(tables) == 2 and len(multires) == 1, [t[0] for t in tables]
 
@@ -207,3 +208,20 @@ def test_finetune_page_is_the_record(tmp_path):
     cells = set(re.findall(r"\d+\.\d ± \d+\.\d", "\n".join(rows)))
     stated = re.findall(r"\d+\.\d ± \d+\.\d", text)
     assert stated and all(s in cells for s in stated), [s for s in stated if s not in cells]
+
+
+def test_the_routes_pages_are_the_record(tmp_path):
+    """docs/routes/table.md is what `benchmarks/routes.py --report` makes of the committed record, and docs/which_pe.md
+    and docs/evaluation.md show its tables line for line (their prose: test_page_numbers.py)."""
+    study = load_benchmark("routes")
+    record = tmp_path / "results.csv"  # the report is regenerated from a copy, never in place
+    record.write_text((ROOT / "docs" / "routes" / "results.csv").read_text())
+    table = (ROOT / "docs" / "routes" / "table.md").read_text()
+    assert study.report(record) == table, "docs/routes/table.md is stale: run benchmarks/routes.py --report"
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(rows) >= 8
+    for page in ("which_pe.md", "evaluation.md"):
+        text = (ROOT / "docs" / page).read_text()
+        assert all(line in text for line in rows), page
+    seeds = {r["seed"] for r in study.load_results(record)}
+    assert seeds == {0, 1, 2}  # every claim is over three seeds

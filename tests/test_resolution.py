@@ -90,6 +90,30 @@ def test_augmented_coordinates_stay_a_lattice_for_bias_encodings():
     torch.testing.assert_close(pe.bias(a), pe.bias(vitpe.PatchGrid.from_coords(a.coords, (5, 6), (4, 4))), atol=1e-5, rtol=1e-5)
 
 
+def test_a_grid_never_holds_coordinates_that_contradict_its_mode():
+    """A grid with a coordinate mode is that mode's lattice: the bias families read a lattice's step from the mode, so a
+    grid whose coordinates were replaced but whose mode was kept (as the scale probe once made) is refused in one line;
+    coordinates given directly carry no mode, and every family reads them."""
+    import dataclasses
+
+    g = vitpe.PatchGrid.create((4, 6), (4, 4), "interpolate")
+    with pytest.raises(ValueError, match="not the 4x6 grid's in coordinate mode 'interpolate'.*PatchGrid.from_coords"):
+        dataclasses.replace(g, coords=g.coords * 2, spacing=None, key=None)
+    with pytest.raises(ValueError, match="spacing .* is not the 'interpolate' lattice's"):
+        dataclasses.replace(g, spacing=(1.0, 1.0))
+    shifted = g.transformed(1.5, 0.5, 0.25, -1.0).transformed(2.0, 1.0, 1.0, 0.0)  # augmentations compose and stay valid
+    with pytest.raises(ValueError, match="with its augmentation"):
+        dataclasses.replace(shifted, coords=g.coords)
+    with pytest.raises(ValueError, match="extent must be \\(w, h\\), two positive numbers"):
+        vitpe.PatchGrid.from_coords(g.coords, (4, 6), (4, 4), extent=(0.0, 4.0))
+    given = vitpe.PatchGrid.from_coords(g.coords * 2, (4, 6), (4, 4), extent=(8.0, 8.0))
+    assert given.mode is None and given.extent().tolist() == [8.0, 8.0]
+    for family in ("fire", "lookhere", "alibi2d", "rel_bias", "cpb"):
+        pe = vitpe.build_pos_embed(family, dim=32, num_heads=2, ref_grid=4).eval()
+        with torch.no_grad():
+            assert not torch.allclose(pe.bias(given), pe.bias(g), atol=1e-3), family  # the new coordinates are read
+
+
 def test_multi_resolution_training_draws_sizes_per_batch(tmp_path, monkeypatch):
     seen = []
     real = vitpe.VisionTransformer.forward

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from enum import Enum
 from typing import ClassVar, Optional, Sequence, Tuple, Union
 
@@ -217,8 +217,33 @@ class PatchGrid:
     key: Optional[tuple] = None
     mode: Optional[str] = None
     affine: Optional[Tuple[float, float, float, float]] = None
+    given_extent: Optional[Tuple[float, float]] = None  # (w, h) of coordinates given directly, when the caller knows it
+    from_mode: InitVar[bool] = False  # made here from the mode (create, transformed): nothing to check
     batched: ClassVar[bool] = False  # one grid shared by every image of the batch
     images_per_row: ClassVar[int] = 1
+
+    def __post_init__(self, from_mode: bool) -> None:
+        # A grid with a mode is that mode's lattice (augmented by ``affine``): the bias families read a lattice's step
+        # from its mode, not from ``coords``, so coordinates that contradicted it would be ignored without a word. Grids
+        # made any other way than from the mode (dataclasses.replace, the constructor) are checked.
+        if from_mode or self.mode is None or torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return
+        want = grid_coords(self.size, self.ref, self.mode, device=self.coords.device)
+        if self.affine is not None:
+            sx, sy, tx, ty = self.affine
+            centre = want.mean(0)
+            want = (want - centre) * want.new_tensor([sx, sy]) + centre + want.new_tensor([tx, ty])
+        if self.coords.shape != want.shape or not torch.allclose(self.coords.to(want), want, rtol=1e-5, atol=1e-5):
+            h, w = self.size
+            raise ValueError(f"these coordinates are not the {h}x{w} grid's in coordinate mode {self.mode!r}"
+                             f"{'' if self.affine is None else ' with its augmentation'}: a PatchGrid with a mode holds that "
+                             "mode's lattice; give other coordinates with PatchGrid.from_coords (no mode)")
+        if self.spacing is not None:
+            scale = (1.0, 1.0) if self.affine is None else self.affine[:2]
+            lattice = (_spacing(self.size[1], self.ref[1], self.mode) * scale[0], _spacing(self.size[0], self.ref[0], self.mode) * scale[1])
+            if not all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) for a, b in zip(self.spacing, lattice)):
+                raise ValueError(f"spacing {self.spacing} is not the {self.mode!r} lattice's {lattice}: build the grid with "
+                                 "PatchGrid.create, or give other coordinates with PatchGrid.from_coords")
 
     @classmethod
     def create(
@@ -232,18 +257,23 @@ class PatchGrid:
         ref = size if ref_grid is None else to_2tuple(ref_grid, "ref_grid")
         coords = grid_coords(size, ref, mode, device=device)
         if traced(size):  # an exported graph: no lattice shortcut or cache key computed from one size's numbers
-            return cls(size, ref, coords, None, None, mode)
+            return cls(size, ref, coords, None, None, mode, from_mode=True)
         spacing = (_spacing(size[1], ref[1], mode), _spacing(size[0], ref[0], mode))
         key = (size, ref, mode, coords.device)
-        return cls(size, ref, coords, spacing, key, mode)
+        return cls(size, ref, coords, spacing, key, mode, from_mode=True)
 
     @classmethod
-    def from_coords(cls, coords: Tensor, grid_size: Size2, ref_grid: Size2) -> "PatchGrid":
-        """Arbitrary coordinates (augmented, jittered, ...): no lattice shortcut, no caching."""
+    def from_coords(cls, coords: Tensor, grid_size: Size2, ref_grid: Size2,
+                    extent: Optional[Tuple[float, float]] = None) -> "PatchGrid":
+        """Arbitrary coordinates (augmented, jittered, ...) in reference patches: no lattice shortcut, no caching.
+        ``extent``: the ``(w, h)`` the image spans in those units (FIRE's normaliser, RoPE scaling's length ratio);
+        by default measured from the coordinates' span (:meth:`extent`)."""
         size, ref = to_2tuple(grid_size, "grid_size"), to_2tuple(ref_grid, "ref_grid")
         if coords.shape != (size[0] * size[1], 2):
             raise ValueError(f"coords must have shape ({size[0] * size[1]}, 2) for grid {size}, got {tuple(coords.shape)}")
-        return cls(size, ref, coords.float(), None, None)
+        if extent is not None and not (len(extent) == 2 and all(0 < float(e) < math.inf for e in extent)):
+            raise ValueError(f"extent must be (w, h), two positive numbers, got {extent!r}")
+        return cls(size, ref, coords.float(), None, None, given_extent=None if extent is None else tuple(float(e) for e in extent))
 
     @property
     def is_reference(self) -> bool:
@@ -256,7 +286,10 @@ class PatchGrid:
         included): the reference extent in interpolate mode, the grid's own in extrapolate mode, 2 in normalize mode,
         per axis the larger of the two in extend mode.
         The normaliser of FIRE, and the length ratio that RoPE's extrapolation controls read. Coordinates given
-        directly (no mode) span ``(n - 1)`` spacings of an ``n``-patch axis, so their extent is ``span * n / (n - 1)``."""
+        directly (no mode) span ``(n - 1)`` spacings of an ``n``-patch axis, so their extent is ``span * n / (n - 1)``,
+        unless :meth:`from_coords` was given it."""
+        if self.given_extent is not None:
+            return torch.tensor(self.given_extent, device=self.coords.device, dtype=torch.float32)
         if self.mode is None:
             n = pair(self.size[1], self.size[0], device=self.coords.device, dtype=torch.float32)
             span = self.coords.amax(0) - self.coords.amin(0)
@@ -285,7 +318,7 @@ class PatchGrid:
         if self.affine is not None:  # compose with an earlier augmentation
             psx, psy, ptx, pty = self.affine
             sx, sy, tx, ty = psx * sx, psy * sy, ptx + tx, pty + ty  # scaling about the centre keeps earlier shifts
-        return PatchGrid(self.size, self.ref, coords, spacing, None, self.mode, (sx, sy, tx, ty))
+        return PatchGrid(self.size, self.ref, coords, spacing, None, self.mode, (sx, sy, tx, ty), from_mode=self.mode is not None)
 
     def in_mode(self, mode: Optional[str]) -> "PatchGrid":
         """The same grid with its coordinates in coordinate mode ``mode`` (``None``: unchanged), augmentation kept."""
