@@ -18,6 +18,7 @@ K px and at 32. Runs go to OUT/runs, outside the repository: a finished run is r
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 import time
 from pathlib import Path
@@ -82,8 +83,6 @@ def measure(run: Path, data: str, arm: str, seed: int, source: Optional[Path], t
 
 # ---- the record ----------------------------------------------------------------------------------------------------
 def load_results(path: Path = RECORD) -> List[Dict]:
-    import csv
-
     if not path.is_file():
         return []
     ints, floats = {"seed", "resolution", "n"}, {"train_time_s", "source_time_s", "last_fifth_gain_points", "top1"}
@@ -109,6 +108,7 @@ def routes_of(rows: List[Dict], data: str) -> List[Tuple[str, Dict[int, List[flo
     on ``data``: multi and one by each route, and "fine-tune at the size" gathering each ftK's top-1 at K."""
     out = []
     mine = [r for r in rows if r["data"] == data]
+    one_at_1x = [100 * r["top1"] for r in mine if (r["arm"], r["route"], r["resolution"]) == ("one", "coords", TRAIN_SIZE)]
     for arm, route, label in [("multi", "coords", "trained at 16-48 px (multi), coordinates"),
                               ("one", "coords", "trained at 32 px (one), coordinates"), ("one", "patch", "one, patch route"),
                               ("one", "resize", "one, resized back to 32 px")]:
@@ -117,7 +117,7 @@ def routes_of(rows: List[Dict], data: str) -> List[Tuple[str, Dict[int, List[flo
             if (r["arm"], r["route"]) == (arm, route):
                 cells.setdefault(r["resolution"], []).append(100 * r["top1"])
         if route != "coords" and TRAIN_SIZE not in cells:  # every route is the model itself at 1x
-            cells[TRAIN_SIZE] = [100 * r["top1"] for r in mine if (r["arm"], r["route"], r["resolution"]) == ("one", "coords", TRAIN_SIZE)]
+            cells[TRAIN_SIZE] = one_at_1x
         runs = [r for r in mine if (r["arm"], r["route"], r["resolution"]) == (arm, "coords", TRAIN_SIZE)]
         if cells:
             out.append((label, cells, [r["train_time_s"] / 60 for r in runs], [verdict(r) for r in runs]))
@@ -130,7 +130,7 @@ def routes_of(rows: List[Dict], data: str) -> List[Tuple[str, Dict[int, List[flo
             extra.append(r["train_time_s"] / 60)
             settled.append(verdict(r))
     if ft:
-        ft[TRAIN_SIZE] = out[1][1].get(TRAIN_SIZE, []) if len(out) > 1 else []
+        ft[TRAIN_SIZE] = one_at_1x
         out.append(("one, then fine-tuned at the size (minutes: each fine-tune's)", ft, extra, settled))
     return out
 

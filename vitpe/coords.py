@@ -228,22 +228,17 @@ class PatchGrid:
         # made any other way than from the mode (dataclasses.replace, the constructor) are checked.
         if from_mode or self.mode is None or torch.jit.is_tracing() or torch.compiler.is_compiling():
             return
-        want = grid_coords(self.size, self.ref, self.mode, device=self.coords.device)
+        want = PatchGrid.create(self.size, self.ref, self.mode, device=self.coords.device)
         if self.affine is not None:
-            sx, sy, tx, ty = self.affine
-            centre = want.mean(0)
-            want = (want - centre) * want.new_tensor([sx, sy]) + centre + want.new_tensor([tx, ty])
-        if self.coords.shape != want.shape or not torch.allclose(self.coords.to(want), want, rtol=1e-5, atol=1e-5):
+            want = want.transformed(*self.affine)
+        if self.coords.shape != want.coords.shape or not torch.allclose(self.coords.to(want.coords), want.coords, rtol=1e-5, atol=1e-5):
             h, w = self.size
             raise ValueError(f"these coordinates are not the {h}x{w} grid's in coordinate mode {self.mode!r}"
                              f"{'' if self.affine is None else ' with its augmentation'}: a PatchGrid with a mode holds that "
                              "mode's lattice; give other coordinates with PatchGrid.from_coords (no mode)")
-        if self.spacing is not None:
-            scale = (1.0, 1.0) if self.affine is None else self.affine[:2]
-            lattice = (_spacing(self.size[1], self.ref[1], self.mode) * scale[0], _spacing(self.size[0], self.ref[0], self.mode) * scale[1])
-            if not all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) for a, b in zip(self.spacing, lattice)):
-                raise ValueError(f"spacing {self.spacing} is not the {self.mode!r} lattice's {lattice}: build the grid with "
-                                 "PatchGrid.create, or give other coordinates with PatchGrid.from_coords")
+        if self.spacing is not None and not all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) for a, b in zip(self.spacing, want.spacing)):
+            raise ValueError(f"spacing {self.spacing} is not the {self.mode!r} lattice's {want.spacing}: build the grid with "
+                             "PatchGrid.create, or give other coordinates with PatchGrid.from_coords")
 
     @classmethod
     def create(

@@ -93,21 +93,30 @@ def forward_bytes(model: nn.Module, size: Sequence[int], patch_size: Optional[in
     per-token tables. ``explicit``: attention computed as written, as onnxruntime runs an exported graph: each image
     also holds its scores and their softmax."""
     tokens, heads = _tokens(model, size, patch_size), model.blocks[0].attn.num_heads
-    pe = getattr(model, "pos_embed", None)
-    vitpe_pe = hasattr(pe, "bias_tables")  # else an unequipped timm model
-    per_token, table_floats = (pe.infer_floats_per_token(), pe.table_floats_per_token()) if vitpe_pe else (0, 0)
+    pe = _vitpe_pe(model)
+    per_token, table_floats = (pe.infer_floats_per_token(), pe.table_floats_per_token()) if pe is not None else (0, 0)
     shared = _bias_bytes(model, tokens) + 4 * tokens * table_floats
-    hidden = model.blocks[0].mlp.fc2.in_features if hasattr(model.blocks[0].mlp, "fc2") else 4 * model.embed_dim
     # a block's input, q, k, v and output, the MLP's hidden layer before and after its activation
-    per_image = 4 * tokens * (5 * model.embed_dim + 2 * hidden + per_token) + (8 * heads * tokens**2 if explicit else 0)
+    per_image = 4 * tokens * (5 * model.embed_dim + 2 * _hidden(model) + per_token) + (8 * heads * tokens**2 if explicit else 0)
     return shared, per_image
+
+
+def _vitpe_pe(model: nn.Module):
+    """The model's vitpe positional encoding, or None (no PE, or an unequipped timm model's table)."""
+    pe = getattr(model, "pos_embed", None)
+    return pe if hasattr(pe, "bias_tables") else None
+
+
+def _hidden(model: nn.Module) -> int:
+    """The width of a block's MLP hidden layer."""
+    return model.blocks[0].mlp.fc2.in_features if hasattr(model.blocks[0].mlp, "fc2") else 4 * model.embed_dim
 
 
 def _bias_bytes(model: nn.Module, tokens: int) -> int:
     """The attention bias tables a grid of ``tokens`` holds: heads x tokens^2 floats each, as built and as padded for the
     prefix tokens, and the int64 index that spreads them (a model without a vitpe PE: as if one bias per block)."""
-    pe = getattr(model, "pos_embed", None)
-    tables = pe.bias_tables if hasattr(pe, "bias_tables") else len(model.blocks)
+    pe = _vitpe_pe(model)
+    tables = pe.bias_tables if pe is not None else len(model.blocks)
     return 4 * tokens**2 * (2 * model.blocks[0].attn.num_heads * tables + 2) if tables else 0
 
 
@@ -118,11 +127,10 @@ def train_step_bytes(model: nn.Module, size: Sequence[int], batch: int) -> int:
     the bias tables with their gradients, and, for a bias with trainable parameters (a learned table, an MLP), every image's
     attention probabilities in every block, since SDPA's fused CPU kernel gives no gradient for the bias."""
     tokens, heads, blocks = _tokens(model, size, None), model.blocks[0].attn.num_heads, len(model.blocks)
-    pe = getattr(model, "pos_embed", None)
-    hidden = model.blocks[0].mlp.fc2.in_features if hasattr(model.blocks[0].mlp, "fc2") else 4 * model.embed_dim
-    floats = 10 * model.embed_dim + 2 * hidden + (pe.train_floats_per_token() if pe is not None else 0)
+    pe = _vitpe_pe(model)
+    floats = 10 * model.embed_dim + 2 * _hidden(model) + (pe.train_floats_per_token() if pe is not None else 0)
     per_image = blocks * 4 * tokens * floats
-    if pe is None or getattr(pe, "learned_bias", True):
+    if pe is None or pe.learned_bias:  # unknown: as if its bias had parameters
         per_image += blocks * 3 * 2 * heads * tokens**2  # probabilities saved, and the gradient being formed (1.5x measured)
     shared = 2 * _bias_bytes(model, tokens)  # the bias tables and their gradients
     return shared + batch * per_image
