@@ -616,14 +616,16 @@ def trained_table(trained: List[Dict]) -> List[str]:
         runs = sorted((e for e in trained if e["data"] == data), key=lambda e: (order.get(e["row"], len(order)), e["row"], e["seed"], e["epochs"]))
         if not runs:
             continue
-        lines += [f"## {data}", "", "| row | seed | epochs | last fifth (points) | converged | train min | min / epoch |",
-                  "| --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+        lines += [f"## {data}", "", "| row | seed | epochs | last fifth (points) | converged | train min | min / epoch | last epoch's test top-1 % |",
+                  "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
         for e in runs:
             t = train_seconds(e)
             verdict = "yes" if e.get("converged") else f"no: retrained with {e['retrained_with']}" if e.get("retrained_with") else "no"
             gain = e.get("last_fifth_gain_points", math.nan)  # NaN for a run too short to have a last fifth
             lines.append(f"| {e['row']} | {e['seed']} | {e['epochs']} | {'-' if math.isnan(gain) else f'{gain:+.2f}'} | {verdict} | "
-                         + (f"{t / 60:.1f} | {t / 60 / e['epochs']:.2f} |" if t is not None else "- | - |"))
+                         + (f"{t / 60:.1f} | {t / 60 / e['epochs']:.2f} |" if t is not None else "- | - |")
+                         # on the run's whole test set, as its training printed it (the study's cells use the first --eval-size images)
+                         + (f" {100 * e['last_epoch_test_top1']:.1f} |" if e.get("last_epoch_test_top1") is not None else " - |"))
         lines.append("")
     return lines
 
@@ -721,7 +723,8 @@ def report(rows: List[Dict], out: Path) -> None:
                "interpolated coordinates unless the column says otherwise.", ""]
     for data in DATASETS:
         if any(r["data"] == data for r in rows):
-            summary += [f"## {data}", "", *summary_table(rows, data), ""]
+            summary += [f"## {data}", "", *summary_table(rows, data), "",
+                        f"### {data}: extrapolated coordinates (change from 1x in points)", "", *extrapolation_table(rows, data), ""]
     (out / "summary.md").write_text("\n".join(summary))
     (out / "trained.md").write_text("\n".join(trained_table(load_trained(out))))
 
@@ -746,13 +749,34 @@ def summary_table(rows: List[Dict], data: str) -> List[str]:
     lines = ["| family | seeds | 1x top-1 % | 2x: one size | 2x: patch route | 2x: coord. aug. | 2x / 4x: several sizes |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for pe in families:
-        aug = next((f"{pe}:{v}" for v in COORD_AUG if (data, f"{pe}:{v}", "interpolate", "1x") in group), None)
+        augs = [f"{pe}:{v}" for v in COORD_AUG if (data, f"{pe}:{v}", "interpolate", "1x") in group]  # per image, then per batch
         several = f"{pe}:multires"
         lines.append(f"| {pe} | {n(pe)} | {fmt(group.get((data, pe, 'interpolate', '1x')))} | "
                      f"{change_cell(group, data, pe, 'interpolate', '2x')} | {change_cell(group, data, pe, 'patch', '2x')} | "
-                     + (f"{change_cell(group, data, aug, 'interpolate', '2x')}{' (per batch)' if aug.endswith('augbatch') else ''} | "
-                        if aug else "- | ")
+                     + (" / ".join(f"{change_cell(group, data, a, 'interpolate', '2x')}{' (per batch)' if a.endswith('augbatch') else ''}"
+                                   for a in augs) + " | " if augs else "- | ")
                      + f"{change_cell(group, data, several, 'interpolate', '2x')} / {change_cell(group, data, several, 'interpolate', '4x')} |")
+    return lines
+
+
+def extrapolation_table(rows: List[Dict], data: str) -> List[str]:
+    """The change from 1x in points with extrapolated coordinates (the mode FIRE's and LookHere's papers claim for), per
+    family that reads coordinates: trained at one size (alone, then with YaRN and NTK where measured), with coordinate
+    augmentation, and at several sizes."""
+    group = cells(rows)
+    measured = {r["pe"] for r in rows if r["data"] == data}
+    families = [pe for pe in vitpe.list_pos_embeds() if pe in measured and (data, pe, "extrapolate", "2x") in group]
+    lines = ["| family | one size: 1.5x / 2x / 4x | one size + YaRN / NTK: 2x | coord. aug.: 1.5x / 2x | several sizes: 2x / 4x |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for pe in families:
+        augs = [f"{pe}:{v}" for v in COORD_AUG if (data, f"{pe}:{v}", "extrapolate", "2x") in group]
+        scaled = [change_cell(group, data, pe, f"extrapolate+{s}", "2x") for s in ("yarn", "ntk")]
+        lines.append(f"| {pe} | {' / '.join(change_cell(group, data, pe, 'extrapolate', c) for c in ('1.5x', '2x', '4x'))} | "
+                     + (" / ".join(scaled) if scaled != ["-", "-"] else "-") + " | "
+                     + ("; ".join(f"{change_cell(group, data, a, 'extrapolate', '1.5x')} / {change_cell(group, data, a, 'extrapolate', '2x')}"
+                                  f"{' (per batch)' if a.endswith('augbatch') else ''}" for a in augs) or "-") + " | "
+                     + f"{change_cell(group, data, pe + ':multires', 'extrapolate', '2x')} / "
+                       f"{change_cell(group, data, pe + ':multires', 'extrapolate', '4x')} |")
     return lines
 
 

@@ -71,9 +71,11 @@ def test_resolution_transfer_smoke(tmp_path, capsys):
     assert all(c["seeds"] == "1" and float(c["top1_mean"]) >= 0 for c in cells)
     assert any(c["attn_entropy"] != "" for c in cells if c["route"] == "interpolate")
     assert (tmp_path / "shapes.png").stat().st_size > 5000 and not (tmp_path / "shapes_attention.png").exists()
+    summary = (tmp_path / "summary.md").read_text().partition("extrapolated coordinates")[2]
+    assert re.search(r"\n\| learned \| [+-]\d+\.\d / [+-]\d+\.\d / [+-]\d+\.\d \| - \| - \| - / - \|", summary)  # one seed: means alone
     runs_md = (tmp_path / "trained.md").read_text()  # every run trained, the shorter of a doubled row too, in row order
     assert "nan" not in runs_md  # one epoch has no last fifth: "-"
-    assert re.search(r"\| learned \| 0 \| 1 \| - \| no: retrained with 2 \| \d+\.\d \| \d+\.\d\d \|\n\| learned \| 0 \| 2 \|", runs_md)
+    assert re.search(r"\| learned \| 0 \| 1 \| - \| no: retrained with 2 \| \d+\.\d \| \d+\.\d\d \| \d+\.\d \|\n\| learned \| 0 \| 2 \|", runs_md)
     # Run again for one row: nothing is trained or measured again, every result is kept (it starts at the 2 epochs
     # the row needed, so the 1-epoch run is not even opened).
     assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "learned"]) == 0

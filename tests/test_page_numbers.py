@@ -20,6 +20,8 @@ SOURCES = {
     "docs/evaluation.md": ["docs/routes/table.md", "docs/resolution_transfer/summary.md", "docs/field_transfer/table.md",
                            "docs/which_pe.md"],
     "docs/field_transfer.md": ["docs/field_transfer/table.md", "docs/field_transfer/scale_probe.md"],
+    "docs/resolution_transfer.md": [*(f"docs/resolution_transfer/{name}" for name in ("summary.md", "table.md", "trained.md",
+                                                                             "canvas/canvas.md", "scale_probe/scale_probe.md"))],
     "docs/finetune.md": ["docs/finetune/table.md"],
     "docs/export.md": [],
     "docs/timm.md": [],

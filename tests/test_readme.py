@@ -210,6 +210,30 @@ def test_finetune_page_is_the_record(tmp_path):
     assert stated and all(s in cells for s in stated), [s for s in stated if s not in cells]
 
 
+def test_the_resolution_transfer_page_is_the_record(tmp_path):
+    """docs/resolution_transfer/'s summary, table and run list are what `benchmarks/resolution_transfer.py --report`
+    makes of the committed record, and the page shows the summary's tables line for line (its prose:
+    test_page_numbers.py)."""
+    study = load_benchmark("resolution_transfer")
+    docs = ROOT / "docs" / "resolution_transfer"
+    for name in ("results.csv", "runs.jsonl", "attention.csv"):  # the report is regenerated from a copy, never in place
+        (tmp_path / name).write_text((docs / name).read_text())
+    study.report(study.load_results(tmp_path), tmp_path)
+    for name in ("summary.md", "table.md", "trained.md", "cells.csv"):
+        assert (tmp_path / name).read_text() == (docs / name).read_text(), f"{name} is stale: run benchmarks/resolution_transfer.py --report"
+    from test_page_numbers import NUMBER, cells
+
+    page = (ROOT / "docs" / "resolution_transfer.md").read_text()
+    summary = (docs / "summary.md").read_text()
+    tables = [block.splitlines() for block in re.findall(r"^\| .*(?:\n\| .*)*", summary, flags=re.M)]
+    family_rows = [line for table in tables if "2x: patch route" in table[0] for line in table]  # the extrapolated ones: linked
+    assert len(family_rows) >= 30 and [line for line in family_rows if line not in page] == []
+    # the page's own table (the answer first) quotes cells of the generated ones
+    known = cells([docs / name for name in ("summary.md", "table.md")])
+    quoted = [n for line in page.splitlines() if line.startswith("| ") and line not in summary for n in NUMBER.findall(re.sub(r"`[^`]*`", "", line))]
+    assert len(quoted) >= 8 and [n for n in quoted if n.lstrip("+-") not in known and n not in known] == []
+
+
 def test_the_routes_pages_are_the_record(tmp_path):
     """docs/routes/table.md is what `benchmarks/routes.py --report` makes of the committed record, and docs/which_pe.md
     and docs/evaluation.md show its tables line for line (their prose: test_page_numbers.py)."""
