@@ -21,7 +21,8 @@ from .pos_embed import DEFAULT_POS_EMBED
 from .suggest import did_you_mean
 from .vit import POOLS
 
-__all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "InitConfig", "Config", "load_config", "apply_overrides", "train_resolutions"]
+__all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "InitConfig", "Config", "load_config", "apply_overrides", "train_resolutions",
+           "shipped_configs", "config_path"]
 
 
 class ConfigError(VitpeError):
@@ -362,13 +363,36 @@ def train_resolutions(cfg: Config) -> List[int]:
     return [cfg.model.img_size]
 
 
-def load_config(path: Optional[str] = None) -> Config:
-    """Defaults, overlaid with a YAML file's values."""
+def shipped_configs() -> Path:
+    """The folder of the shipped configs: the repository's ``configs/`` in a clone, its copy ``vitpe/configs`` in an
+    installed wheel (pyproject.toml maps the one folder to both places, so the two never drift)."""
+    inside = Path(__file__).resolve().parent / "configs"
+    return inside if inside.is_dir() else Path(__file__).resolve().parents[1] / "configs"
+
+
+def config_path(config: Union[str, Path]) -> Path:
+    """The file ``--config`` names: a YAML file that exists, else a shipped config by name (``fashion_mnist``) or by its
+    path in a clone (``configs/fashion_mnist.yaml``, which then works from any folder and from an installed wheel)."""
+    p = Path(config)
+    if p.is_file():
+        return p
+    names = sorted(f.stem for f in shipped_configs().glob("*.yaml"))
+    bare = p.suffix == "" and len(p.parts) == 1
+    if bare or (p.suffix == ".yaml" and p.parent == Path("configs")):
+        if p.stem in names:
+            return shipped_configs() / f"{p.stem}.yaml"
+    if bare:
+        raise ConfigError(f"no shipped config named {str(config)!r}{did_you_mean(p.stem, names)}; the shipped ones: {', '.join(names)} "
+                          "(or give a YAML file's path)")
+    raise ConfigError(f"config file {config} not found{did_you_mean(p.stem, names)}; give a YAML file's path or a shipped config "
+                      f"by name: {', '.join(names)}")
+
+
+def load_config(path: Optional[Union[str, Path]] = None) -> Config:
+    """Defaults, overlaid with a YAML file's values (a path, or a shipped config's name: :func:`config_path`)."""
     if path is None:
         return config_from_dict({})
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {path} not found; the shipped ones are in configs/")
+    p = config_path(path)
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:

@@ -7,9 +7,10 @@ says what is wrong and what to do; the command lines print it as ``error: ...`` 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Callable, List, Optional
 
-__all__ = ["VitpeError", "run_cli"]
+__all__ = ["VitpeError", "run_cli", "command_name"]
 
 
 class VitpeError(ValueError):
@@ -17,6 +18,18 @@ class VitpeError(ValueError):
     1 for what was found (data, checkpoints, a diverged run)."""
 
     exit_code = 1
+
+
+# How each command is typed in a clone (from its root); installed, or run through the ``vitpe`` command, it is ``vitpe NAME``.
+CLONE_DOORS = {"train": "python train.py", "eval": "python eval.py", "predict": "python -m vitpe.predict",
+               "export": "python -m vitpe.export", "viz": "python -m vitpe.viz"}
+
+
+def command_name(name: str) -> str:
+    """How a user types command ``name`` here, for usage lines and the hints a run prints (``python train.py --resume
+    RUN`` in a clone, ``vitpe train --resume RUN`` from an installed wheel or where the ``vitpe`` command is in use)."""
+    installed = not (Path(__file__).resolve().parents[1] / "train.py").is_file()
+    return f"vitpe {name}" if installed or sys.argv[0].startswith("vitpe ") else CLONE_DOORS[name]
 
 
 def run_cli(main: Callable[[Optional[List[str]]], int], argv: Optional[List[str]] = None) -> int:

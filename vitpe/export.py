@@ -24,6 +24,7 @@ import torch
 
 from .checkpoint import CheckpointError, find_checkpoint, model_from_checkpoint
 from .engine import MemoryPlanError, memory_plan
+from .errors import command_name, run_cli
 from .predict import parse_size
 from .pretrained import preprocessing
 from .vit import VisionTransformer
@@ -191,7 +192,7 @@ def onnx_errors(model: VisionTransformer, path: Union[str, Path], sizes: Sequenc
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m vitpe.export", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=command_name("export"), description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("::", 1)[1])
     p.add_argument("run", help="a run directory or its checkpoint.pt")
     p.add_argument("--onnx", metavar="PATH", help="write an ONNX graph that takes any input size")
@@ -239,5 +240,9 @@ def _default_sizes(model: VisionTransformer) -> Sequence[Tuple[int, int]]:
     return [(h, w)] + [(snap(h * s, model.patch_size), snap(w * s, model.patch_size)) for s in (1.5, 2)]
 
 
+def cli(argv: Optional[Sequence[str]] = None) -> int:
+    return run_cli(main, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

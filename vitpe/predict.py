@@ -23,7 +23,7 @@ from .checkpoint import model_from_checkpoint
 from .data.augment import normalize
 from .data.images import open_image
 from .engine import memory_plan
-from .errors import run_cli
+from .errors import command_name, run_cli
 from .pretrained import exported_run, is_exported
 
 __all__ = ["read_images", "predict", "shipped_model", "main"]
@@ -82,7 +82,7 @@ def top_count(text: str) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m vitpe.predict", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=command_name("predict"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("images", nargs="*", metavar="IMAGE", help="image files (a name that starts with '-': put -- before it, or ./-name.png)")
     p.add_argument("--run", required=True, metavar="RUN_OR_EXPORT", help="the trained run (runs/NAME), its checkpoint.pt, or a folder "
                    "python -m vitpe.export --hf wrote")
@@ -120,5 +120,9 @@ def _one_line(text: str) -> str:
     return text if text.isprintable() else json.dumps(text)
 
 
+def cli(argv: Optional[List[str]] = None) -> int:
+    return run_cli(main, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(cli())

@@ -33,13 +33,24 @@ import torch.distributed as dist
 
 from vitpe import VisionTransformer
 from vitpe.checkpoint import CHECKPOINT_NAME, CheckpointError, check_classes, load_checkpoint, load_model_state, non_finite, save_checkpoint
-from vitpe.config import Config, ConfigError, ModelConfig, apply_overrides, config_from_dict, load_config, save_config, train_resolutions
+from vitpe.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    apply_overrides,
+    config_from_dict,
+    config_path,
+    load_config,
+    save_config,
+    shipped_configs,
+    train_resolutions,
+)
 from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, crop_boxes, normalize
 from vitpe.data.datasets import TRAIN_SIZES
 from vitpe.data.mixed import draw_sizes, mixed_batch
 from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, gib, memory_available, resolve_device, seed_step, train_step_bytes
-from vitpe.errors import VitpeError, run_cli
+from vitpe.errors import VitpeError, command_name, run_cli
 from vitpe.finetune import FINE_TUNABLE, Source, freeze, read_source, source_model_args, start_model
 from vitpe.pos_embed import NO_POS_EMBED
 from vitpe.runs import (  # noqa: F401 (safe_name: public name)
@@ -56,7 +67,7 @@ from vitpe.runs import (  # noqa: F401 (safe_name: public name)
     write_metrics,
 )
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "shapes.yaml"  # the repository's configs/
+DEFAULT_CONFIG = shipped_configs() / "shapes.yaml"  # the main job
 FINETUNE_CONFIG = DEFAULT_CONFIG.with_name("finetune.yaml")  # the default recipe of a run started from a model (--init)
 # Measured results of recipes, by PE (benchmarks/accuracy.py --suite main writes it): what a finished run compares itself to.
 REFERENCE_FILE = Path(__file__).resolve().parent / "reference_runs.json"
@@ -71,7 +82,8 @@ class TrainingError(VitpeError, RuntimeError):
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help=f"YAML config (default: {DEFAULT_CONFIG.relative_to(DEFAULT_CONFIG.parents[1])})")
+    p.add_argument("--config", help="a YAML file, or a shipped config by name: "
+                   f"{', '.join(sorted(f.stem for f in shipped_configs().glob('*.yaml')))} (default: {DEFAULT_CONFIG.stem})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.lr=5e-4 --set train.epochs=5")
     p.add_argument("--data", help="shortcut for --set data.name=NAME")
@@ -99,7 +111,7 @@ def cli_overrides(args: argparse.Namespace) -> List[str]:
 def config_file(args: argparse.Namespace) -> Path:
     """The config file a run reads: ``--config``, else the fine-tuning recipe for a run started from a model, else the main job."""
     if args.config:
-        return Path(args.config)
+        return config_path(args.config)
     starts_from = args.init or any(o.split("=", 1)[0].strip() == "init.source" for o in args.overrides)
     return FINETUNE_CONFIG if starts_from else DEFAULT_CONFIG
 
@@ -369,7 +381,7 @@ def undertrained_hint(rows: List[Dict[str, Any]], num_classes: int, epochs: int,
         return None
     last, chance = rows[-1]["test_top1"], 1 / num_classes
     more = f"--set train.budget_min={2 * budget_min:g}" if budget_min else f"--epochs {2 * epochs}"
-    again = (f"python train.py --config {run / CONFIG_NAME} {more} --name {run.name}-longer" if run is not None
+    again = (f"{command_name('train')} --config {run / CONFIG_NAME} {more} --name {run.name}-longer" if run is not None
              else f"a new run with {more}")
     k = max(3, len(rows) // 5)
     if len(rows) >= 3:
@@ -579,7 +591,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 save_config(cfg, run / CONFIG_NAME)
         if state is not None and epoch >= cfg.train.epochs:
             last = f" (test top-1 {rows[-1]['test_top1']:.4f})" if rows else ""
-            log(f"{run} finished all its {cfg.train.epochs} epochs already{last}: nothing to resume. Evaluate it with python eval.py "
+            log(f"{run} finished all its {cfg.train.epochs} epochs already{last}: nothing to resume. Evaluate it with {command_name('eval')} "
                 f"{run}, or train longer in a new run (--epochs N)")
             return 0
         if state is not None:
@@ -702,7 +714,7 @@ class Job:
     def kept(self) -> str:
         """What is on disk to continue from, truthfully."""
         if self.last_saved is None:
-            return f"no checkpoint was written yet; python train.py --resume {self.run} starts it again from step 0"
+            return f"no checkpoint was written yet; {command_name('train')} --resume {self.run} starts it again from step 0"
         e, s = self.last_saved
         at = f"after epoch {e}" if s == 0 else f"at epoch {e + 1} step {s}"
         return f"the last good checkpoint ({at}) is kept in {self.run}"
@@ -866,7 +878,7 @@ def train_loop(job: Job) -> int:
                         bar.close()
                         job.checkpoint(tally.saved(loss_sum, t_epoch))
                         log(f"{signal.Signals(signum).name} at epoch {job.epoch + 1} step {job.step}; checkpoint saved. "
-                            f"Continue with: python train.py --resume {run}")
+                            f"Continue with: {command_name('train')} --resume {run}")
                         return 128 + signum
                     t0 = time.time()
                     x, target, y = job.batch(perm)
@@ -897,7 +909,7 @@ def train_loop(job: Job) -> int:
                     dist.barrier()
                 limit = cfg.train.time_limit_min
                 if limit is not None and time.time() - started > 60 * limit and job.epoch < cfg.train.epochs:
-                    log(f"time limit of {limit} min reached after epoch {job.epoch}; continue with: python train.py --resume {run}")
+                    log(f"time limit of {limit} min reached after epoch {job.epoch}; continue with: {command_name('train')} --resume {run}")
                     return 0
         except KeyboardInterrupt:  # the second Ctrl-C: the state may be mid-update, so nothing is saved
             log(f"\naborted without saving; {job.kept()}")
@@ -915,7 +927,7 @@ def train_loop(job: Job) -> int:
             + (f" ({job.rows[-1][tta]:.4f} with test-time augmentation {cfg.train.eval_tta})" if tta in job.rows[-1] else "")
             + f"{' (EMA weights; eval.py --no-ema for the raw ones)' if job.ema is not None else ''}\n"
             f"  run:        {run}\n  checkpoint: {run / CHECKPOINT_NAME}\n  metrics:    {run / METRICS_CSV} (and {METRICS_JSONL})\n"
-            f"  evaluate at other resolutions: python eval.py {run}")
+            f"  evaluate at other resolutions: {command_name('eval')} {run}")
         for line in learned_lines(job.rows[-1], job.ds, cfg, reference_results(cfg)):
             log(line)
         hint = undertrained_hint(job.rows, job.ds.num_classes, cfg.train.epochs, cfg.train.budget_min, run)

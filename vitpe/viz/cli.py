@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from ..coords import COORD_MODES
-from ..errors import run_cli
+from ..errors import command_name, run_cli
 from ..pos_embed import PosEmbed, build_pos_embed
 from .analysis import attention_distance, pe_matrix, pe_similarity
 from .plots import draw_distance, draw_maps, draw_matrix
@@ -50,7 +50,7 @@ def _json_safe(x):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m vitpe.viz", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=command_name("viz"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("matrix", "similarity"):
         s = sub.add_parser(name)
