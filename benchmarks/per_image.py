@@ -339,7 +339,8 @@ def main(argv=None) -> int:
                    help="baseline: both sides train with the study's coordinate augmentation (results: part baseline_coord_aug)")
     p.add_argument("--pes", nargs="+", default=["sincos2d", "rope_mixed", "rel_bias"])
     p.add_argument("--aug-pes", nargs="+", help="coord_aug: the PEs measured (default: the families of the study's augmented rows)")
-    p.add_argument("--lattice-pes", nargs="+", default=["fire", "cpb", "rel_bias", "lookhere"], help="lattice: the bias families measured")
+    p.add_argument("--lattice-pes", nargs="+", default=[n for n in vitpe.list_pos_embeds() if vitpe.pos_embed_info(n)["biased"]],
+                   help="lattice: the bias families measured (default: every one registered)")
     p.add_argument("--keeps", nargs="+", type=float, default=[1.0, 0.5, 0.25])
     p.add_argument("--iters", type=int, default=5, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=6)

@@ -143,7 +143,7 @@ def bench_bias_mask(device: torch.device, args) -> List[Dict]:
 
     for px in sizes:
         measure("SDPA forward + backward", "-", px, sdpa_alone)
-    for pe in ["rel_bias", "cpb", "fire", "lookhere"]:
+    for pe in [n for n in vitpe.list_pos_embeds() if vitpe.pos_embed_info(n)["biased"]]:  # every bias family, as registered
         model = vitpe.VisionTransformer(**dict(a, pos_embed=pe), num_classes=10).to(device)
         for px, train in [(sizes[0], True)] + [(px, False) for px in sizes]:
             def model_step(tokens: int, batch: int, px=px, train=train) -> Dict[str, Callable[[], None]]:

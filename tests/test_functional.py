@@ -6,6 +6,8 @@ import torch
 
 import vitpe
 from vitpe.pos_embed import functional as PF
+from vitpe.pos_embed.bias import log_spaced
+from vitpe.pos_embed.rotary import axial_rope_freqs, mixed_rope_freqs
 
 
 def test_grid_coords_formula_and_order():
@@ -111,7 +113,7 @@ def test_apply_rope_matches_complex_rotation_and_keeps_norms():
 @pytest.mark.parametrize("kind", ["axial", "mixed"])
 def test_rope_dot_product_depends_only_on_coordinate_offset(kind):
     head_dim, heads = 16, 2
-    freqs = PF.axial_rope_freqs(head_dim) if kind == "axial" else PF.mixed_rope_freqs(head_dim, heads)
+    freqs = axial_rope_freqs(head_dim) if kind == "axial" else mixed_rope_freqs(head_dim, heads)
     q, k = torch.randn(heads, 1, head_dim), torch.randn(heads, 1, head_dim)
     coords = torch.randn(6, 2) * 5
     shift = torch.tensor([[3.7, -2.2]])
@@ -130,7 +132,7 @@ def test_rope_dot_product_depends_only_on_coordinate_offset(kind):
 
 
 def test_axial_rope_splits_pairs_between_x_and_y():
-    f = PF.axial_rope_freqs(16, theta=100.0)
+    f = axial_rope_freqs(16, theta=100.0)
     assert f.shape == (2, 8)
     assert torch.all(f[0, :4] > 0) and torch.all(f[0, 4:] == 0) and torch.all(f[1, :4] == 0) and torch.all(f[1, 4:] > 0)
     torch.testing.assert_close(f[0, :4], 100.0 ** (-torch.arange(0, 16, 4).float() / 16))
@@ -177,7 +179,7 @@ def test_log_spaced_matches_swin_v2_table():
     table[..., 1] /= w - 1
     table = table * 8
     table = torch.sign(table) * torch.log2(table.abs() + 1.0) / math.log2(8)
-    ours = PF.log_spaced(PF.lattice_offsets((h, w), (1.0, 1.0)), (h, w))  # (dx, dy)
+    ours = log_spaced(PF.lattice_offsets((h, w), (1.0, 1.0)), (h, w))  # (dx, dy)
     torch.testing.assert_close(ours, table.flip(-1))
 
 

@@ -6,6 +6,7 @@ from conftest import ALL_PE
 
 import vitpe
 from vitpe.pos_embed import functional as PF
+from vitpe.pos_embed.bias import log_spaced
 
 FAMILIES = ["none", "sincos2d", "fourier", "fourier_learned", "learned", "factorized", "rel_bias", "cpb", "fire", "lookhere", "alibi2d", "pape",
             "rope_axial",
@@ -130,7 +131,7 @@ def test_rel_bias_is_swin_at_reference_and_samples_table_elsewhere():
 
 def test_cpb_is_swin_v2_at_reference():
     pe = vitpe.build_pos_embed("cpb", dim=32, num_heads=2, ref_grid=(4, 4))
-    table = PF.log_spaced(PF.lattice_offsets((4, 4), (1.0, 1.0)), (4, 4))
+    table = log_spaced(PF.lattice_offsets((4, 4), (1.0, 1.0)), (4, 4))
     expected = 16 * torch.sigmoid(pe.mlp(table).flatten(0, 1)[vitpe.relative_position_index(4)]).permute(2, 0, 1)
     torch.testing.assert_close(pe.bias(vitpe.PatchGrid.create(4)), expected)
     assert pe.bias(vitpe.PatchGrid.create(4)).min() > 0  # 16 * sigmoid is in (0, 16)
@@ -247,7 +248,7 @@ def test_learned_takes_the_other_resizes_timms_models_use():
 
 def test_antialias_weights_are_pytorchs_antialiased_resize_as_a_matrix():
     """What an exported graph uses for timm's antialiased table resize (ONNX has no such operator): the same weights."""
-    from vitpe.pos_embed.functional import antialias_weights
+    from vitpe.pos_embed.additive import antialias_weights
 
     F = torch.nn.functional
     t = torch.randn(1, 3, 7, 9)

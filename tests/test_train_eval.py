@@ -360,7 +360,7 @@ def test_eval_at_native_aspect_ratio(tiny_run, tmp_path, capsys):
 @pytest.mark.parametrize("pe,controls,error", [
     ("sincos2d+liere", ["--rope-scaling", "pi"], None),
     ("fourier+string", ["--rope-scaling", "yarn", "--p-rope", "0.25"], None),
-    ("learned+fire", ["--rope-scaling", "yarn"], "no rotary positional encoding"),
+    ("learned+fire", ["--rope-scaling", "yarn"], r"no positional encoding of this model \(learned\+fire\) takes the test-time option 'scaling'"),
     ("sincos2d+comrope", ["--rope-scaling", "ntk"], "no frequency table"),
     ("lookhere", ["--lookhere-slope", "2"], None),
     ("sincos2d", ["--lookhere-slope", "2"], r"no positional encoding of this model \(sincos2d\) takes the test-time option 'lookhere.slope'"),
@@ -379,7 +379,8 @@ def test_new_families_train_and_evaluate_with_their_test_time_controls(tmp_path,
     assert eval_script.main(args) == 0
     rows = json.loads((tmp_path / "ev" / "results.json").read_text())
     if controls[0] == "--rope-scaling":
-        assert rows[0]["rope_scaling"] == controls[1] and "[rope " in rows[0]["label"]
+        assert rows[0]["rope_scaling"] == controls[1] and f"[scaling {controls[1]}]" in rows[0]["label"]  # a declared option like any other
+        assert rows[0]["p_rope"] == (controls[3] if "--p-rope" in controls else None)
     else:  # a family's declared option, by --pe-option or its own old flag: one column, and in the label
         given = ";".join(c if "=" in c else f"lookhere.slope={c}" for c in controls[1::2])
         assert rows[0]["pe_options"] == given and all(f"[{item.replace('=', ' ')}]" in rows[0]["label"] for item in given.split(";"))

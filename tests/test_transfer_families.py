@@ -10,6 +10,8 @@ import torch.nn.functional as F
 import vitpe
 from vitpe.pos_embed import functional as PF
 from vitpe.pos_embed import set_lookhere_slope, set_rope_extrapolation
+from vitpe.pos_embed.bias import fire_features
+from vitpe.pos_embed.rotary import golden_directions, golden_rope_freqs, period_rope_freqs
 
 ROTARY = ["rope_axial", "rope_mixed", "rope_golden", "string", "liere", "comrope"]
 RELATIVE = [("rope_golden", {}), ("string", {}), ("comrope", {"variant": "ld"}), ("comrope", {"variant": "ap"}), ("liere", {"block_size": 2})]
@@ -87,12 +89,12 @@ def test_comrope_generators_commute_and_liere_generators_do_not():
 
 
 def test_golden_directions_are_unit_and_spread_around_the_circle():
-    d = PF.golden_directions(256)
+    d = golden_directions(256)
     torch.testing.assert_close(d.norm(dim=-1), torch.ones(256))
     angles = torch.atan2(d[:, 1], d[:, 0])
     counts = torch.histc(angles, bins=8, min=-math.pi, max=math.pi)
     assert counts.min() > 0.5 * 256 / 8  # every octant is used: isotropic, not two axes
-    freqs = PF.golden_rope_freqs(32, 2, 0.01, 1.0)  # (2, H, P)
+    freqs = golden_rope_freqs(32, 2, 0.01, 1.0)  # (2, H, P)
     mag = freqs.norm(dim=0)
     torch.testing.assert_close(mag[0], 0.01 * 100 ** torch.linspace(0, 1, 16), rtol=1e-5, atol=0)
 
@@ -107,9 +109,9 @@ def test_fire_bias_is_its_formula_and_depends_only_on_offset_and_normaliser():
         bias = pe.bias(pe.own_grid(grid))  # (H, N, N)
         offsets = vitpe.patch_units(PF.relative_offsets(grid.coords.double()), grid, offsets=True)
         extent = vitpe.patch_units(grid.extent().double(), grid, offsets=True)
-        want = pe.mlp(PF.fire_features(offsets, extent, pe.log_c.exp())).movedim(-1, 0)
+        want = pe.mlp(fire_features(offsets, extent, pe.log_c.exp())).movedim(-1, 0)
         torch.testing.assert_close(bias, want, atol=2e-5, rtol=1e-4)
-        inputs = PF.fire_features(offsets, extent, pe.log_c.exp())
+        inputs = fire_features(offsets, extent, pe.log_c.exp())
         assert inputs.abs().max() < 1  # a larger image is a denser range of inputs, never a wider one
     # Same offsets, other normaliser (a larger image in extrapolate mode): a different bias.
     small = pe.bias(vitpe.PatchGrid.create((8, 8), (8, 8), "extrapolate"))
@@ -185,7 +187,7 @@ def test_normalize_mode_is_dinov3s_box_and_tables_read_it_in_reference_patches()
 
 def test_rope_axial_takes_dinov3s_periods():
     hd, lo, hi = 32, 0.5, 50.0
-    freqs = PF.period_rope_freqs(hd, lo, hi)
+    freqs = period_rope_freqs(hd, lo, hi)
     # DINOv3: periods = max * (max/min)^(linspace(0, 1) - 1); angle = 2 pi x / period, x first on its axis
     periods = hi * (hi / lo) ** (torch.linspace(0, 1, hd // 4, dtype=torch.float64) - 1)
     torch.testing.assert_close(freqs[0, : hd // 4].double(), 2 * math.pi / periods, rtol=1e-6, atol=0)
@@ -333,7 +335,7 @@ def test_lookhere_slope_k_at_k_times_the_grid_in_interpolate_mode_is_extrapolate
 
 
 def test_alibi2d_is_a_line_in_the_euclidean_distance_with_alibis_slopes():
-    from vitpe.pos_embed.functional import alibi_slopes
+    from vitpe.pos_embed.bias import alibi_slopes
 
     # ALiBi's slopes: 2^(-8k/n) for a power of two; else the nearest power below, then every other one of the next up.
     assert alibi_slopes(8).tolist() == [2.0 ** -k for k in range(1, 9)]

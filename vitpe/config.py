@@ -78,7 +78,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "shapes"  # shapes | fashion_mnist | cifar10 | cifar100 | imagefolder:PATH
+    name: str = "shapes"  # a name of vitpe.data.DATASETS (imagefolder:PATH: your own images)
     data_dir: Optional[str] = None  # where datasets live or are downloaded to (default: ./data)
     train_size: Optional[int] = None  # shapes: samples to generate; others: a subset (None: all)
     test_size: Optional[int] = None

@@ -37,8 +37,7 @@ from vitpe.data.augment import TTA_MODES, normalize
 from vitpe.data.datasets import shrink_to
 from vitpe.engine import amp_dtype, attention_bytes, autocast, evaluate, evaluate_native, memory_available, memory_plan, resolve_device
 from vitpe.errors import run_cli
-from vitpe.pos_embed import pe_test_options, set_pe_option, set_rope_extrapolation
-from vitpe.pos_embed.functional import ROPE_SCALINGS
+from vitpe.pos_embed import PEOption, pe_test_options, set_pe_option
 from vitpe.pretrained import exported_run, is_exported
 from vitpe.runs import write_csv, write_json
 from vitpe.suggest import did_you_mean
@@ -91,18 +90,12 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="patch coordinates at new resolutions (default: what each run was trained with; extend: "
                         "extrapolate the axes longer than trained, interpolate the others; both: interpolate and "
                         "extrapolate; all: every mode)")
-    p.add_argument("--rope-scaling", choices=ROPE_SCALINGS,
-                   help="RoPE extrapolation at new resolutions for rotary encodings (default: as trained): pi, ntk, yarn; "
-                        "they act where extrapolate- or extend-mode coordinates go beyond the trained extent")
-    p.add_argument("--p-rope", type=float, metavar="FRACTION",
-                   help="leave this fraction of each head's lowest RoPE frequencies unrotated (p-RoPE; default: as trained)")
     p.add_argument("--pe-option", dest="pe_options", action="append", default=[], metavar="[FAMILY.]OPTION=VALUE",
                    help="set a test-time option a family declares (default: as trained), e.g. " + ", ".join(
                        f"{key}" for key in list(pe_test_options())[:3]) + "; every one: vitpe.pe_test_options(); repeatable")
-    for key, option in pe_test_options().items():  # a family's own flag from before --pe-option, kept working
-        if option.flag and option.flag not in p._option_string_actions:
-            p.add_argument(option.flag, dest="pe_options", action=_PEOptionFlag, const=key, type=_option_type(option),
-                           metavar=option.name.upper(), help=f"the same as --pe-option {key}=VALUE: {option.help}")
+    for flag, key, option in option_flags():
+        p.add_argument(flag, dest="pe_options", action=_PEOptionFlag, const=key, type=_option_type(option),
+                       metavar=option.name.upper(), help=f"the same as --pe-option {key}=VALUE: {option.help}")
     p.add_argument("--route", choices=["coords", "patch", "resize", "both", "all"], default="coords",
                    help="meet a new resolution with new coordinates on a new token grid (coords), by resizing the patch "
                         "embedding to keep the trained grid (patch: FlexiViT's PI-resize), or by resizing the image back to "
@@ -121,6 +114,23 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--no-verify", action="store_true", help="load checkpoints whose checksum does not match")
     p.add_argument("--out", help="output directory (default: FIRST_RUN/eval-TIMESTAMP)")
     return p.parse_args(argv)
+
+
+def option_flags() -> List[Tuple[str, str, PEOption]]:
+    """(flag, option key, option) of every flag the families declare for a test-time option (``--lookhere-slope``,
+    ``--rope-scaling``). A flag that several families declare for one option (every rotary family's ``--rope-scaling``)
+    sets it on each part of a model that takes it: its key is the option's bare name."""
+    owners: Dict[str, List[Tuple[str, PEOption]]] = {}
+    for key, option in pe_test_options().items():
+        if option.flag:
+            owners.setdefault(option.flag, []).append((key, option))
+    out = []
+    for flag, declared in owners.items():
+        names = {option.name for _, option in declared}
+        if len(names) > 1:  # a family's mistake, caught by the suite's first parse
+            raise TypeError(f"the flag {flag} is declared for different options ({', '.join(sorted(names))}): give each its own flag")
+        out.append((flag, declared[0][0] if len(declared) == 1 else names.pop(), declared[0][1]))
+    return out
 
 
 class _PEOptionFlag(argparse.Action):
@@ -161,6 +171,12 @@ def parse_pe_options(items: List[str]) -> List[Tuple[str, str]]:
                 raise ConfigError(f"--pe-option {key}: {e}") from None
         out.append((key, text))
     return out
+
+
+def option_value(items: List[str], name: str) -> Optional[str]:
+    """The value the command line gives test-time option ``name`` (bare or as ``FAMILY.name``; the last one given)."""
+    given = [text.strip() for key, _, text in (item.partition("=") for item in items) if key.strip().rpartition(".")[2] == name]
+    return given[-1] if given else None
 
 
 def default_resolutions(img_size: int, patch: int) -> List[Tuple[int, int]]:
@@ -445,9 +461,6 @@ def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets
     controls = " (raw weights)" if args.no_ema and state.get("ema") is not None else ""
     controls += f" [tta {args.tta}]" if args.tta != "none" else ""
     try:  # the test-time controls: a model without the encoding they act on is refused in one line
-        if args.rope_scaling is not None or args.p_rope is not None:
-            set_rope_extrapolation(model, args.rope_scaling, args.p_rope)
-            controls += "".join(f" [{k} {v}]" for k, v in (("rope", args.rope_scaling), ("p-rope", args.p_rope)) if v is not None)
         for key, text in parse_pe_options(args.pe_options):
             set_pe_option(model, key, text)
             controls += f" [{key} {text}]"
@@ -484,7 +497,7 @@ def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, 
             plan = [(mode, route, hw) for hw in sizes] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
             for row in evaluate_at(model, ds, plan, device, dtype, run.batch, label, args.tta, args.diagnostics):
                 rows.append({"run": str(run.ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": run.data,
-                             "rope_scaling": args.rope_scaling, "p_rope": args.p_rope,
+                             **{column: option_value(args.pe_options, name) for column, name in (("rope_scaling", "scaling"), ("p_rope", "p_rope"))},
                              "pe_options": ";".join(args.pe_options) or None, "chance": 1 / ds.num_classes,
                              "weights": "ema" if run.state.get("ema") is not None and not args.no_ema else "raw",
                              "train_size": train_size, "train_sizes": trained_span(cfg),

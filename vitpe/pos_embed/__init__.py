@@ -3,19 +3,14 @@
 from .base import PEOption, PosContext, PosEmbed
 from .functional import (
     apply_rope,
-    axial_rope_freqs,
     fourier_features,
     lattice_offsets,
-    log_spaced,
-    mixed_rope_freqs,
     relative_offsets,
     relative_position_index,
     rope_angles,
     rotate_complex,
     rotate_pairs,
     sample_bias_table,
-    sincos_1d,
-    sincos_2d,
 )
 from .registry import (
     CombinedPosEmbed,
@@ -31,10 +26,10 @@ from .registry import (
 )
 
 # Importing the families registers them; the order here is the order list_pos_embeds() reports.
-from .additive import FourierPosEmbed, LearnedFourierPosEmbed, LearnedPosEmbed, NoPosEmbed, SinCos2d
-from .bias import ALiBi2d, ContinuousPositionBias, FIRE, LookHere, RelativePositionBias, set_lookhere_slope
+from .additive import FourierPosEmbed, LearnedFourierPosEmbed, LearnedPosEmbed, NoPosEmbed, SinCos2d, sincos_1d, sincos_2d
+from .bias import ALiBi2d, ContinuousPositionBias, FIRE, LookHere, RelativePositionBias, log_spaced, set_lookhere_slope
 from .parabolic import PaPE
-from .rotary import RopeAxial, RopeGolden, RopeMixed, RopeString, RotaryPosEmbed
+from .rotary import RopeAxial, RopeGolden, RopeMixed, RopeString, RotaryPosEmbed, axial_rope_freqs, mixed_rope_freqs
 from .lie import ComRoPE, LieRE
 from .conditional import PEG
 

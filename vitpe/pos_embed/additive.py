@@ -1,7 +1,7 @@
 """Absolute encodings added to the patch tokens: none, sin-cos, Fourier features, learned table."""
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -11,10 +11,81 @@ from torch.nn.init import trunc_normal_
 
 from ..coords import PatchGrid, Size2, patch_units
 from .base import PosEmbed
-from .functional import fourier_features, resize_table, sample_line, sincos_2d
+from .functional import fourier_features
 from .registry import register_pos_embed
 
 __all__ = ["NoPosEmbed", "SinCos2d", "FourierPosEmbed", "LearnedFourierPosEmbed", "LearnedPosEmbed", "FactorizedPosEmbed"]
+
+
+# ---- the maths of this file's families (pure functions; maths that families share: functional.py) ----
+
+def sincos_1d(pos: Tensor, dim: int, base: float = 10000.0) -> Tensor:
+    """Transformer sinusoidal encoding (Vaswani et al. 2017): ``(..., N) -> (..., N, dim)``.
+
+    ``PE[p, 2i] = sin(p / base^(2i/dim))``, ``PE[p, 2i+1] = cos(p / base^(2i/dim))``. Because each pair
+    is a point on a circle turning at rate ``w_i``, ``PE(p + k)`` is ``PE(p)`` rotated by ``w_i k``.
+    """
+    if dim % 2:
+        raise ValueError(f"sincos_1d needs an even dim, got {dim}")
+    omega = base ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float64) / dim)  # (dim/2,)
+    phase = pos.to(torch.float64)[..., None] * omega  # (..., N, dim/2)
+    if torch.onnx.is_in_onnx_export():  # onnxruntime before 1.24 has no float64 sin/cos: the angles, then float32 trig
+        phase = phase.float()
+    out = torch.stack([phase.sin(), phase.cos()], dim=-1).flatten(-2)  # interleave: sin, cos, sin, cos
+    return out.to(pos.dtype if pos.is_floating_point() else torch.float32)
+
+
+def sincos_2d(coords: Tensor, dim: int, base: float = 10000.0) -> Tensor:
+    """2D sin-cos encoding: ``(N, 2) -> (N, dim) = cat([sincos_1d(x, dim/2), sincos_1d(y, dim/2)])``.
+
+    Half the channels encode x, half y, as in MAE (He et al. 2022) and "Better plain ViT baselines"
+    (Beyer et al. 2022), with the Transformer's interleaved sin/cos order inside each half.
+    """
+    if dim % 4:
+        raise ValueError(f"sincos_2d needs dim divisible by 4 (half for x, half for y, sin/cos pairs), got {dim}")
+    return torch.cat([sincos_1d(coords[..., 0], dim // 2, base), sincos_1d(coords[..., 1], dim // 2, base)], dim=-1)
+
+
+def resize_table(table: Tensor, size: Tuple[int, int], mode: str = "bicubic", antialias: bool = False,
+                 align_corners: bool = False, square: bool = False) -> Tensor:
+    """A learned table ``(1, dim, h, w)`` resized to the grid ``size`` as timm resizes it (``F.interpolate``, so its
+    antialiasing and corner conventions). ``square``: resized to a square of the longer side, then its top-left
+    ``size`` corner (NaFlex's aspect-preserving resize, patches keep their place whatever the shape)."""
+    out_size = (max(size),) * 2 if square else tuple(size)
+    if antialias and torch.onnx.is_in_onnx_export():  # ONNX has no antialiased resize: the same weights, as two products
+        ry, rx = (antialias_weights(n, m, mode, table.device) for n, m in zip(out_size, table.shape[-2:]))
+        out = torch.einsum("yh,bdhw,xw->bdyx", ry, table.float(), rx)
+    else:
+        out = F.interpolate(table.float(), size=out_size, mode=mode, antialias=antialias, align_corners=align_corners)
+    return out[:, :, : size[0], : size[1]].to(table.dtype)
+
+
+def antialias_weights(n_out: int, n_in: int, mode: str = "bicubic", device: Optional[torch.device] = None) -> Tensor:
+    """``(n_out, n_in)`` weights of ``F.interpolate(..., antialias=True)`` along one axis (PIL's filters: Keys' cubic
+    with ``a = -0.5``, or the triangle, stretched by the scale when shrinking, each row normalised to 1). Zero outside a
+    filter's support, so the dense matrix is the windowed sum PyTorch computes, in ops an exported graph has."""
+    i = torch.arange(n_out, device=device, dtype=torch.float32)
+    j = torch.arange(n_in, device=device, dtype=torch.float32)
+    scale = torch.as_tensor(n_in / n_out, dtype=torch.float32, device=device)
+    x = ((j + 0.5)[None, :] - (i + 0.5)[:, None] * scale) / scale.clamp(min=1.0)
+    a = x.abs()
+    if mode == "bilinear":
+        w = (1 - a).clamp(min=0)
+    else:
+        w = torch.where(a < 1, (1.5 * a - 2.5) * a * a + 1, torch.where(a < 2, ((a - 5) * a + 8) * a * -0.5 + 2.0, torch.zeros_like(a)))
+    return w / w.sum(1, keepdim=True)
+
+
+def sample_line(table: Tensor, pos: Tensor) -> Tensor:
+    """Linear interpolation in a 1D table ``(L, dim)`` at continuous positions ``pos`` ``(...)`` in table entries,
+    border values beyond it (``F.interpolate(mode="linear")``'s kernel; NaViT's factorized tables). Returns ``(..., dim)``."""
+    n = table.shape[0]
+    p = pos.to(table.dtype).clamp(0, n - 1)
+    lo = p.floor().clamp(max=max(n - 2, 0))
+    w = (p - lo).unsqueeze(-1)
+    i = lo.long()
+    return table[i] * (1 - w) + table[(i + 1).clamp(max=n - 1)] * w
+
 
 
 @register_pos_embed("none")

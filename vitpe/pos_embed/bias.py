@@ -11,21 +11,75 @@ from torch.nn.init import trunc_normal_
 
 from ..coords import PatchGrid, Size2, cell_coords, patch_units
 from .base import PEOption, PosEmbed
-from .functional import (
-    alibi2d_bias,
-    alibi_slopes,
-    fire_features,
-    lattice_offsets,
-    log_spaced,
-    lookhere_bias,
-    lookhere_directions,
-    relative_offsets,
-    relative_position_index,
-    sample_bias_table,
-)
+from .functional import lattice_offsets, relative_offsets, relative_position_index, sample_bias_table
 from .registry import register_pos_embed, set_pe_option
 
 __all__ = ["RelativePositionBias", "ContinuousPositionBias", "FIRE", "LookHere", "ALiBi2d"]
+
+
+# ---- the maths of this file's families (pure functions; maths that families share: functional.py) ----
+
+def log_spaced(offsets: Tensor, ref: Tuple[int, int]) -> Tensor:
+    """Swin-V2's log-spaced coordinates (Liu et al. 2022): offsets normalised by ``ref - 1`` to [-1, 1],
+    scaled by 8, then ``sign(d) * log2(1 + |d|) / log2(8)``. Columns stay ``(dx, dy)``."""
+    norm = torch.tensor([max(ref[1] - 1, 1), max(ref[0] - 1, 1)], device=offsets.device, dtype=offsets.dtype)
+    d = offsets / norm * 8
+    return torch.sign(d) * torch.log2(d.abs() + 1.0) / math.log2(8)
+
+
+def fire_features(offsets: Tensor, extent: Tensor, c: Tensor) -> Tensor:
+    """FIRE's input (Li et al., ICLR 2024), in 2D: ``psi(d) / psi(extent)`` per axis with ``psi(d) = sign(d) log(c|d| + 1)``.
+    ``offsets`` ``(..., 2)``, ``extent`` (the normaliser, the image's extent per axis, broadcasting) -> ``(..., 2)`` in
+    ``[-1, 1]`` for offsets inside the image: a larger image gives a denser, not a wider, range. ``c > 0``."""
+    return torch.sign(offsets) * torch.log1p(c * offsets.abs()) / torch.log1p(c * extent)
+
+
+LOOKHERE_DIRECTIONS = ((0.0, -1.0), (0.0, 1.0), (-1.0, 0.0), (1.0, 0.0))  # up, down, left, right (rows grow downwards)
+
+
+def lookhere_directions(num_heads: int, fov: float) -> Tensor:
+    """LookHere's head directions (Fuller et al., NeurIPS 2024): ``(heads, 2)`` unit ``(x, y)``. Heads cycle through up,
+    down, left, right; a field of view under 90 degrees needs the diagonals too, so eight directions are cycled."""
+    if fov >= 90:
+        table = torch.tensor(LOOKHERE_DIRECTIONS)
+    else:
+        a = torch.arange(8) * (math.pi / 4) - math.pi / 2
+        table = torch.stack([a.cos(), a.sin()], -1)
+    return table[torch.arange(num_heads) % len(table)]
+
+
+def lookhere_bias(offsets: Tensor, directions: Tensor, fov: float, slopes: Tensor) -> Tensor:
+    """LookHere (Fuller et al., NeurIPS 2024): offsets query minus key ``(..., 2)`` (:func:`relative_offsets`), head
+    directions ``(H, 2)``, slopes ``(*L, H)`` -> ``(*L, ..., H)``: minus ``slope * distance`` where the key lies in the
+    head's field of view (``fov`` degrees about its direction, the query itself included), ``-inf`` outside. The
+    directional masks make heads look different ways; at new resolutions no head meets a direction it never saw."""
+    to_key = -offsets  # from the query to the key
+    dist = to_key.norm(dim=-1, keepdim=True)  # (..., 1)
+    inside = to_key @ directions.t().to(to_key) >= dist * math.cos(math.radians(fov) / 2) - 1e-6  # (..., H)
+    lead = slopes.shape[:-1]
+    penalty = dist * slopes.reshape(*lead, *([1] * (dist.dim() - 1)), -1).to(dist)  # (*L, ..., H)
+    return (-penalty).masked_fill(~inside, float("-inf"))
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """ALiBi's head slopes (Press et al., ICLR 2022): for ``n`` a power of two, the geometric sequence ``2^(-8 k / n)``,
+    ``k = 1..n``; otherwise those of the nearest power of two below, then every other slope of the next one up."""
+    def powers(n: int) -> List[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (k + 1) for k in range(n)]
+
+    if num_heads < 1:
+        raise ValueError(f"alibi needs at least one head, got {num_heads}")
+    low = 2 ** math.floor(math.log2(num_heads))
+    slopes = powers(low) + powers(2 * low)[0::2][: num_heads - low]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi2d_bias(offsets: Tensor, slopes: Tensor) -> Tensor:
+    """2D ALiBi (CROMA, Fuller et al., NeurIPS 2023): ``-slope_h * |d|``, the Euclidean length of each offset ``d``
+    ``(..., 2)`` in reference patches, per head: ``(..., H)``."""
+    return -offsets.norm(dim=-1, keepdim=True) * slopes.to(offsets)
+
 
 
 def _per_slot(grid, values: Tensor) -> Tensor:

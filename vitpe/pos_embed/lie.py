@@ -15,11 +15,25 @@ from torch import Tensor, nn
 
 from ..coords import PatchGrid, Size2
 from .base import PEOption, PosEmbed
-from .functional import commuting_lattice_rotations, generator_rotations, skew
+from .functional import generator_rotations, skew
 from .registry import register_pos_embed
 from .rotary import length_ratio
 
 __all__ = ["MatrixRotary", "LieRE", "ComRoPE"]
+
+
+# ---- the maths of this file's families (pure functions; maths that families share: functional.py) ----
+
+def commuting_lattice_rotations(xs: Tensor, ys: Tensor, gens: Tensor) -> Tensor:
+    """:func:`generator_rotations` on a lattice ``(x_j, y_i)`` (row-major) when ``A_x`` and ``A_y`` commute (ComRoPE):
+    ``exp(x A_x + y A_y) = exp(x A_x) exp(y A_y)``, so ``w + h`` matrix exponentials serve all ``h w`` tokens.
+    ``xs`` ``(w,)``, ``ys`` ``(h,)``, ``gens`` ``(2, *F, K, b, b)`` -> ``(*F, h*w, K, b, b)``."""
+    n_f = gens.dim() - 4
+    ex = torch.linalg.matrix_exp(xs.reshape(-1, *([1] * (n_f + 3))) * gens[0])  # (w, *F, K, b, b)
+    ey = torch.linalg.matrix_exp(ys.reshape(-1, *([1] * (n_f + 3))) * gens[1])  # (h, *F, K, b, b)
+    rot = ex[None] @ ey[:, None]  # (h, w, *F, K, b, b)
+    return rot.flatten(0, 1).movedim(0, -4)
+
 
 
 def _row_axes(grid, coords: Tensor) -> Optional[Tuple[Tensor, Tensor, Tensor, Tensor]]:

@@ -3,15 +3,31 @@ from __future__ import annotations
 
 from typing import Tuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..coords import PatchGrid, Size2, patch_units
 from .base import PosEmbed
-from .functional import parabolic_terms
 from .registry import register_pos_embed
 
 __all__ = ["PaPE"]
+
+
+# ---- the maths of this file's families (pure functions; maths that families share: functional.py) ----
+
+def parabolic_terms(positions: Tensor, a: Tensor, b: Tensor) -> Tuple[Tensor, Tensor]:
+    """PaPE's parabolas as extra query and key features (Koo Ohrstrom et al. 2026, "Where to Attend"): with projected
+    positions ``p`` ``(..., N, P)`` (one scalar per parabola), a query's curvatures ``a >= 0`` and slopes ``b``
+    ``(..., N, P)``, the features ``q_e = [sum a (-p^2), a, 2 a p, sum b p, b]`` and ``k_e = [1, -p^2, p, 1, -p]``
+    (``3 P + 2`` each) give ``q_e . k_e = sum_k -a_k (p_q - p_k)^2 + b_k (p_q - p_k)``: a parabola in each projected
+    offset, opening downwards, whose curvature and slope the query's content chooses."""
+    ones = positions[..., :1].pow(0)  # ones, shaped by the positions in an exported graph too (ones_like freezes there)
+    square = positions.pow(2)
+    q = torch.cat([(a * -square).sum(-1, keepdim=True), a, 2 * a * positions, (b * positions).sum(-1, keepdim=True), b], -1)
+    k = torch.cat([ones, -square, positions, ones, -positions], -1)
+    return q, k
+
 
 
 @register_pos_embed("pape")

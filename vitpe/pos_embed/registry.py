@@ -240,13 +240,11 @@ def set_rope_extrapolation(module: nn.Module, scaling: Optional[str] = None, p_r
                          f"families: {_families(lambda c: _overrides(c, 'rope_angles', 'rope_rotations'))}")
     given = {option: value for option, value in (("scaling", scaling), ("p_rope", p_rope)) if value is not None}
     declares = lambda cls, name: any(o.name == name for o in cls.test_options)  # noqa: E731
-    for option in given:
+    for option in given:  # every rotary part must take it: a control that reaches only some of them would mislead
         lacking = [p.name for p in rotary if not declares(p, option)]
         if lacking:
             raise ValueError(f"{lacking[0]} does not take {option} (it has no frequency table for it to act on); {option} "
                              f"applies to {_families(lambda c: declares(c, option))}")
-    for pe in rotary:
-        for option, value in given.items():
-            setattr(pe, next(o.attr for o in pe.test_options if o.name == option), value)
-    _clear_caches(module)
+    for option, value in given.items():  # the declared options, as eval.py --rope-scaling / --p-rope set them
+        set_pe_option(module, option, value)
     return [pe.name for pe in rotary]

@@ -10,22 +10,88 @@ from torch import Tensor, nn
 
 from ..coords import PatchGrid, Size2, pair, reference_extent
 from .base import PEOption, PosEmbed
-from .functional import (
-    ROPE_SCALINGS,
-    axial_rope_freqs,
-    cayley,
-    golden_rope_freqs,
-    mixed_rope_freqs,
-    p_rope_keep,
-    period_rope_freqs,
-    rope_angles,
-    rope_freq_scale,
-    skew,
-    yarn_temperature,
-)
+from .functional import ROPE_SCALINGS, p_rope_keep, rope_angles, rope_freq_scale, skew, yarn_temperature
 from .registry import register_pos_embed
 
 __all__ = ["RotaryPosEmbed", "RopeAxial", "RopeMixed", "RopeGolden", "RopeString"]
+
+
+# ---- the maths of this file's families (pure functions; maths that families share: functional.py) ----
+
+def axial_rope_freqs(head_dim: int, theta: float = 100.0) -> Tensor:
+    """RoPE-Axial frequencies (Heo et al., ECCV 2024): ``(2, head_dim/2)`` rows ``(f_x, f_y)``.
+
+    The first ``head_dim/4`` pairs turn with x only, the rest with y only, each axis with the 1D RoPE
+    spectrum ``theta^(-4i/head_dim)``.
+    """
+    if head_dim % 4:
+        raise ValueError(f"2D RoPE needs head_dim divisible by 4 (x and y halves of rotary pairs), got {head_dim}")
+    mag = theta ** (-torch.arange(0, head_dim, 4, dtype=torch.float32)[: head_dim // 4] / head_dim)
+    zero = torch.zeros_like(mag)
+    return torch.stack([torch.cat([mag, zero]), torch.cat([zero, mag])])
+
+
+def mixed_rope_freqs(head_dim: int, num_heads: int, theta: float = 10.0, generator: torch.Generator | None = None) -> Tensor:
+    """RoPE-Mixed initial frequencies (Heo et al., ECCV 2024): ``(2, num_heads, head_dim/2)``.
+
+    Each head gets a random direction ``a``; half its pairs turn along ``a``, half along ``a + pi/2``,
+    with magnitudes ``theta^(-4i/head_dim)``. The frequencies are then learned, mixing x and y.
+    """
+    if head_dim % 4:
+        raise ValueError(f"2D RoPE needs head_dim divisible by 4, got {head_dim}")
+    mag = theta ** (-torch.arange(0, head_dim, 4, dtype=torch.float32)[: head_dim // 4] / head_dim)
+    a = torch.rand(num_heads, 1, generator=generator) * 2 * math.pi  # (H, 1)
+    fx = torch.cat([mag * torch.cos(a), mag * torch.cos(a + math.pi / 2)], dim=-1)  # (H, head_dim/2)
+    fy = torch.cat([mag * torch.sin(a), mag * torch.sin(a + math.pi / 2)], dim=-1)
+    return torch.stack([fx, fy])
+
+
+def period_rope_freqs(head_dim: int, min_period: float, max_period: float) -> Tensor:
+    """DINOv3's axial RoPE spectrum (Simeoni et al. 2025): ``(2, head_dim/2)`` like :func:`axial_rope_freqs`, with
+    ``head_dim/4`` periods geometric from ``min_period`` to ``max_period`` (in coordinate units: DINOv3 reads them in
+    its box ``[-1, 1]``), frequency ``2 pi / period``. Its ``base`` form is ``axial_rope_freqs(head_dim, base) * 2 pi``."""
+    if head_dim % 4:
+        raise ValueError(f"2D RoPE needs head_dim divisible by 4, got {head_dim}")
+    if not 0 < min_period <= max_period:
+        raise ValueError(f"rope periods need 0 < min_period <= max_period, got {min_period}, {max_period}")
+    periods = min_period * (max_period / min_period) ** torch.linspace(0, 1, head_dim // 4, dtype=torch.float64)
+    mag = (2 * math.pi / periods).float()
+    zero = torch.zeros_like(mag)
+    return torch.stack([torch.cat([mag, zero]), torch.cat([zero, mag])])
+
+
+def golden_directions(n: int, dim: int = 2) -> Tensor:
+    """``n`` unit vectors in ``dim`` dimensions from the generalised golden-ratio (Kronecker, R_d) low-discrepancy
+    sequence pushed through the Gaussian inverse CDF: ``(n, dim)``, evenly spread, never axis-aligned in blocks."""
+    g = 2.0
+    for _ in range(30):  # the unique positive root of x^(d+1) = x + 1
+        g = (1 + g) ** (1 / (dim + 1))
+    alpha = g ** -torch.arange(1, dim + 1, dtype=torch.float64)
+    z = torch.remainder(torch.arange(1, n + 1, dtype=torch.float64)[:, None] * alpha, 1.0)
+    v = torch.erfinv(2 * z - 1)
+    return (v / v.norm(dim=-1, keepdim=True)).float()
+
+
+def golden_rope_freqs(head_dim: int, num_heads: int, min_freq: float, max_freq: float) -> Tensor:
+    """Golden-Gate RoPE (Xiong 2025, "N-dimensional RoPE"; vit-pytorch's ``GoldenGateRoPENd``): ``(2, heads, head_dim/2)``.
+    Pair ``f`` of head ``h`` turns along direction ``golden_directions[h * P + f]`` with magnitude geometric from
+    ``min_freq`` to ``max_freq`` (radians per coordinate unit): every pair its own direction, isotropic, not axial."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    if not 0 < min_freq <= max_freq:
+        raise ValueError(f"rope_golden needs 0 < min_freq <= max_freq, got {min_freq}, {max_freq}")
+    p = head_dim // 2
+    mag = min_freq * (max_freq / min_freq) ** torch.linspace(0, 1, p, dtype=torch.float64)
+    dirs = golden_directions(num_heads * p).reshape(num_heads, p, 2)  # (H, P, 2)
+    return (dirs * mag.float()[:, None]).permute(2, 0, 1).contiguous()  # (2, H, P)
+
+
+def cayley(s: Tensor) -> Tensor:
+    """The Cayley transform ``(I - S)(I + S)^-1`` of skew-symmetric ``S`` ``(..., d, d)``: an orthogonal matrix (STRING,
+    Schenck et al., ICML 2025), the identity at ``S = 0``; ``I + S`` is always invertible for skew ``S``."""
+    eye = torch.eye(s.shape[-1], device=s.device, dtype=s.dtype)
+    return torch.linalg.solve(eye + s, eye - s, left=False)
+
 
 
 def length_ratio(pe: PosEmbed, grid: PatchGrid) -> Optional[Tensor]:
