@@ -243,7 +243,7 @@ def test_content_keep_is_a_forward_given_those_tokens_in_training_and_evaluation
         kept_model.forward_intermediates(x, output_fmt="NCHW")
     with pytest.raises(ValueError, match="a packed batch brings its own tokens"):
         kept_model(pack_images([torch.randn(3, 16, 16)], 4, 16))
-    with pytest.raises(ValueError, match=r"content_keep must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"content_keep=.* is out of range; it must be in \(0, 1\]"):
         vitpe.VisionTransformer(content_keep=1.5, **kw)
 
 

@@ -153,12 +153,12 @@ def test_the_shipped_files_are_checked_and_readable(tmp_path):
 
 
 @pytest.mark.parametrize("key,value,message", [
-    ("num_heads", 0, "num_heads must be a whole number >= 1, got 0"),
-    ("depth", -1, "depth must be a whole number >= 1, got -1"),
-    ("embed_dim", "64", "embed_dim must be a whole number >= 1, got '64'"),
-    ("norm_eps", -1, "norm_eps must be a positive, finite number, got -1"),  # once loaded, with NaN logits
+    ("num_heads", 0, r"num_heads=0 is out of range; it must be in \[1, inf\)"),
+    ("depth", -1, "depth=-1 is out of range"),
+    ("embed_dim", "64", "embed_dim must be a whole number, got '64'"),
+    ("norm_eps", -1, r"norm_eps=-1 is out of range; it must be in \(0, inf\)"),  # once loaded, with NaN logits
     ("embed_dim", 1e9, "describes a model of about .* parameters, but its weights hold .*changed or damaged"),
-    ("mlp_ratio", float("inf"), "mlp_ratio must be a positive, finite number"),
+    ("mlp_ratio", float("inf"), "mlp_ratio=inf is out of range"),
 ])
 def test_absurd_model_arguments_are_one_line_before_anything_is_allocated(tmp_path, key, value, message):
     """A config.json or checkpoint whose model_args were edited or damaged: one CheckpointError line naming the value

@@ -81,7 +81,7 @@ def test_readme_cheap_shell_commands_run_exactly_as_written(tmp_path):
     for cmd in CHEAP:
         run(cmd)
     labels = {r["label"] for p in (tmp_path / "runs" / "A").glob("eval-*/results.json") for r in json.loads(p.read_text())}
-    assert {"sincos2d+rope_axial (extrapolate) [rope yarn]", "sincos2d+rope_axial (extend) [rope yarn]"} <= labels
+    assert {"sincos2d+rope_axial (extrapolate) [scaling yarn]", "sincos2d+rope_axial (extend) [scaling yarn]"} <= labels
     assert len(list((tmp_path / "runs").iterdir())) == 3  # A, B, torchrun's
 
 

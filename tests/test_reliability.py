@@ -332,7 +332,7 @@ def test_a_hung_rank_stops_the_run_with_its_name_within_the_timeout(tmp_path):
     ("model.num_heads=0", r"model\.num_heads=0 is out of range; it must be in \[1, inf\)"),
     ("model.embed_dim=0", r"model\.embed_dim=0 is out of range"),
     ("model.depth=0", r"model\.depth=0 is out of range"),
-    ("model.embed_dim=33", r"model\.embed_dim=33 must be divisible by model\.num_heads=2"),
+    ("model.embed_dim=33", r"model\.embed_dim=33 must be divisible by num_heads=2"),
     ("model.drop_path_rate=2", r"model\.drop_path_rate=2\.0 is out of range; it must be in \[0, 1\)"),
     ("train.label_smoothing=5", r"train\.label_smoothing=5\.0 is out of range"),
     ("data.train_size=-5", r"data\.train_size=-5 is out of range"),

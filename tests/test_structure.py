@@ -188,3 +188,40 @@ def test_a_new_family_with_a_test_time_option_is_one_class():
         model(torch.randn(2, 3, 16, 16)).sum().backward()  # per-image coordinates (coord_aug) and gradients
     finally:
         registry._REGISTRY.pop("test_ramp")
+
+
+@pytest.mark.parametrize("override", [
+    "model.pos_embed=rope_axal", "model.pos_embed=sincos2d+rope_mixd", "model.pos_embed_kwargs={thetta: 10}",
+    "model.depth=0", "model.embed_dim=33", "model.pool=mena", "model.mlp_act=gleu", "model.coord_aug={zoom: 1.5}",
+    "model.coord_mode=extrapolat", "model.drop_path_rate=1.5", "model.content_keep=0.0", "model.class_token=false",
+])
+def test_the_model_owns_its_config_checks(override):
+    """One set of checks for the model's arguments (vit.check_model_args): a config's model section is refused when the
+    config is read, with the model's own line, 'model.' before it."""
+    import dataclasses
+
+    import yaml
+
+    from vitpe.config import ConfigError, apply_overrides, load_config
+
+    cfg = load_config("tiny")
+    with pytest.raises(ConfigError) as refused:
+        apply_overrides(cfg, [override])
+    key, _, value = override.partition("=")
+    args = {**dataclasses.asdict(cfg.model), key[len("model."):]: yaml.safe_load(value)}  # the same value, given to the model
+    with pytest.raises(ValueError) as model_refused:
+        vitpe.VisionTransformer(**args, num_classes=10)
+    assert str(refused.value) == f"model.{model_refused.value}"
+    assert "\n" not in str(refused.value)
+
+
+def test_a_mistyped_family_is_refused_before_any_data_is_read(tmp_path, capsys):
+    """--pe with a typo on a dataset whose files are missing: the family is the error (exit 2, one line, did you mean),
+    not the missing data, and no run folder is made."""
+    from vitpe.training import cli
+
+    assert cli(["--config", "tiny", "--data", "fashion_mnist", "--data-dir", str(tmp_path / "nothing"), "--pe", "rope_mixd",
+                "--out-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: model.pos_embed='rope_mixd': unknown positional encoding") and "did you mean 'rope_mixed'?" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "runs").exists()

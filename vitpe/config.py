@@ -5,21 +5,20 @@ what is valid. The resolved config is saved in every run directory and inside ev
 """
 import dataclasses
 import importlib.util
+import inspect
 import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import yaml
 
-from .coords import CoordAugment, CoordMode
 from .data.augment import AUGMENTS, TTA_MODES
 from .engine import AMP_MODES
 from .errors import VitpeError
-from .pos_embed import DEFAULT_POS_EMBED
 from .suggest import did_you_mean
-from .vit import POOLS
+from .vit import VisionTransformer, check_model_args
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "InitConfig", "Config", "load_config", "apply_overrides", "train_resolutions",
            "shipped_configs", "config_path"]
@@ -31,49 +30,36 @@ class ConfigError(VitpeError):
     exit_code = 2
 
 
-@dataclass
-class ModelConfig:
-    """The arguments of :class:`vitpe.VisionTransformer`, all of them but those the dataset sets (``num_classes``,
-    ``in_chans``): a test holds the two to the same names. The defaults are the main job's model, not the
-    class's ImageNet-sized ones."""
+# The model's arguments are described once, by VisionTransformer's signature (its types and its checks,
+# vit.check_model_args); a config's model section is that signature less what the dataset sets, with the main job's
+# model as its defaults instead of the class's ImageNet-sized ones. A new model argument is configurable at once.
+SET_BY_DATA = ("num_classes", "in_chans")
+MAIN_JOB_MODEL = {"img_size": 32, "patch_size": 4, "depth": 6, "mlp_ratio": 2.0, "drop_path_rate": 0.1}
 
-    img_size: int = 32  # training resolution; sets the reference grid img_size // patch_size
-    patch_size: int = 4
-    embed_dim: int = 192
-    depth: int = 6
-    num_heads: int = 3
-    mlp_ratio: float = 2.0
-    pos_embed: str = DEFAULT_POS_EMBED  # any name of vitpe.list_pos_embeds(), or a '+' combination
-    pos_embed_kwargs: Dict[str, Any] = field(default_factory=dict)
-    class_token: bool = True
-    num_reg_tokens: int = 0
-    pool: str = "cls"  # "cls", "mean" or "map" (an attention-pool head, SigLIP's)
-    # Coordinates at new resolutions: "interpolate", "extrapolate", "normalize" (DINOv3's [-1, 1]) or "extend" (per axis:
-    # extrapolate if longer than trained, else interpolate).
-    coord_mode: str = "interpolate"
-    coord_aug: Dict[str, Any] = field(default_factory=dict)  # training-time {shift, rescale, jitter} (vitpe.CoordAugment)
-    drop_rate: float = 0.0
-    attn_drop_rate: float = 0.0
-    drop_path_rate: float = 0.1
-    qkv_bias: bool = True
-    norm_eps: float = 1e-6
-    init_values: Optional[float] = None  # LayerScale (DeiT-III, RoPE-ViT); None: off
-    content_keep: float = 1.0  # keep this fraction of each image's patch tokens, those that differ most from its background (training and evaluation)
-    # The variants of the ViTs people load (vitpe.vit_from_timm; VisionTransformer's docstring says what each does).
-    norm_layer: str = "layernorm"  # or "rmsnorm"
-    mlp_act: str = "gelu"  # gelu | gelu_tanh | quick_gelu | silu
-    mlp_gated: bool = False  # GLU (SwiGLU with mlp_act: silu)
-    mlp_norm: bool = False
-    mlp_hidden_dim: Optional[int] = None  # overrides mlp_ratio
-    qk_norm: bool = False
-    attn_norm: bool = False
-    patch_bias: bool = True
-    pre_norm: bool = False
-    final_norm: str = "tokens"  # tokens | pooled (timm's fc_norm) | none
-    pool_prefix: bool = False
-    pool_heads: Optional[int] = None  # pool: map's heads (default: num_heads)
-    distilled: bool = False
-    post_norm: bool = False  # res-post-norm blocks (timm's ResPostBlock)
+
+def _model_config_class() -> type:
+    fields = []
+    hints = typing.get_type_hints(VisionTransformer.__init__)
+    for name, param in inspect.signature(VisionTransformer.__init__).parameters.items():
+        if name == "self" or name in SET_BY_DATA:
+            continue
+        tp, default = hints[name], MAIN_JOB_MODEL.get(name, param.default)
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if typing.get_origin(tp) is Union and default is None and inner and typing.get_origin(inner[0]) in (dict, Dict):
+            fields.append((name, Dict[str, Any], field(default_factory=dict)))  # an empty mapping, never None, in a config
+        elif typing.get_origin(tp) is Union and type(None) not in typing.get_args(tp):
+            fields.append((name, inner[0], field(default=default)))  # img_size: one int in a config (the class takes (h, w) too)
+        else:
+            fields.append((name, tp, field(default=f"{default}" if isinstance(default, str) else default)))  # a str enum as text
+    cls = dataclasses.make_dataclass(
+        "ModelConfig", fields,
+        namespace={"__doc__": "The arguments of :class:`vitpe.VisionTransformer` (its signature, less ``num_classes`` and "
+                              "``in_chans``, which the dataset sets), with the main job's model as defaults."})
+    cls.__module__ = __name__  # vitpe.config.ModelConfig, as a class written here would be (pickle, repr)
+    return cls
+
+
+ModelConfig = _model_config_class()
 
 
 @dataclass
@@ -159,6 +145,8 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
     """Return ``value`` as type ``tp`` (ints accepted for floats; ``5e-4``, which YAML 1.1 reads as a string,
     accepted as a number; ints and floats accepted for strings, e.g. a run named 2024), or raise ConfigError."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:  # a choice: its values' type here, the choice itself in the model's checks (with a did-you-mean)
+        return _check_type(value, type(args[0]), where)
     if origin is Union:  # Optional[X]
         if value is None and type(None) in args:
             return None
@@ -239,7 +227,6 @@ def config_from_dict(data: Dict[str, Any]) -> Config:
 
 def _validate(cfg: Config) -> None:
     choices = {
-        "model.pool": (cfg.model.pool, POOLS),
         "data.augment": (cfg.data.augment, AUGMENTS),
         "train.amp": (cfg.train.amp, AMP_MODES),
         "train.eval_tta": (cfg.train.eval_tta, TTA_MODES),
@@ -257,19 +244,12 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"train.tensorboard=true: the tensorboard package is installed but does not import ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:160] if str(e) else ''}); reinstall it (pip install -U tensorboard), or leave "
                               "train.tensorboard off") from None
-    try:
-        CoordMode.parse(cfg.model.coord_mode, "model.coord_mode")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     m, d, t = cfg.model, cfg.data, cfg.train
+    try:  # the model's own checks, its family and options included: a typo is refused here, before any data is read
+        check_model_args(dataclasses.asdict(m))
+    except ValueError as e:
+        raise ConfigError(f"model.{e}") from None
     ranges = [  # key, value, lowest, highest, lowest included, highest included
-        ("model.img_size", m.img_size, 1, None, True, True), ("model.patch_size", m.patch_size, 1, None, True, True),
-        ("model.embed_dim", m.embed_dim, 1, None, True, True), ("model.depth", m.depth, 1, None, True, True),
-        ("model.num_heads", m.num_heads, 1, None, True, True), ("model.mlp_ratio", m.mlp_ratio, 0, None, False, True),
-        ("model.num_reg_tokens", m.num_reg_tokens, 0, None, True, True), ("model.drop_rate", m.drop_rate, 0, 1, True, False),
-        ("model.drop_path_rate", m.drop_path_rate, 0, 1, True, False),
-        ("model.attn_drop_rate", m.attn_drop_rate, 0, 1, True, False), ("model.norm_eps", m.norm_eps, 0, None, False, True),
-        ("model.init_values", m.init_values, 0, None, False, True), ("model.content_keep", m.content_keep, 0, 1, False, True),
         ("data.train_size", d.train_size, 1, None, True, True), ("data.test_size", d.test_size, 1, None, True, True),
         ("data.mixup", d.mixup, 0, None, True, True), ("data.cutmix", d.cutmix, 0, None, True, True),
         ("train.epochs", t.epochs, 1, None, True, True), ("train.batch_size", t.batch_size, 1, None, True, True),
@@ -308,11 +288,7 @@ def _validate(cfg: Config) -> None:
                           "set train.steps too, or give the warm-up as train.warmup_epochs")
     if t.steps is not None and t.budget_min is not None:
         raise ConfigError(f"train.steps={t.steps} and train.budget_min={t.budget_min:g} both decide the epochs; drop one")
-    if m.embed_dim % m.num_heads:
-        raise ConfigError(f"model.embed_dim={m.embed_dim} must be divisible by model.num_heads={m.num_heads}")
     p = cfg.model.patch_size
-    if cfg.model.img_size % p:
-        raise ConfigError(f"model.img_size={cfg.model.img_size} is not divisible by model.patch_size={p}")
     if cfg.train.resolutions is not None and cfg.train.resolution_range is not None:
         raise ConfigError("set train.resolutions or train.resolution_range, not both")
     bad = [r for r in (cfg.train.resolutions or []) if r < p or r % p]
@@ -333,11 +309,6 @@ def _validate(cfg: Config) -> None:
         if d.mixup > 0 or d.cutmix > 0:
             raise ConfigError("mixup/cutmix blend images of one size; packed mixed-size training (train.max_tokens) cannot: "
                               "set data.mixup=0 and data.cutmix=0, or drop train.max_tokens")
-    aug_keys = [f.name for f in dataclasses.fields(CoordAugment)]
-    unknown = set(cfg.model.coord_aug) - set(aug_keys)
-    if unknown:
-        bad = sorted(unknown)[0]
-        raise ConfigError(f"unknown key model.coord_aug.{bad}{did_you_mean(bad, aug_keys)}; valid keys: {', '.join(aug_keys)}")
 
 
 def frozen_spec(value: str, depth: Optional[int] = None) -> Union[str, int]:
@@ -440,6 +411,8 @@ def _field_type(parts: List[str]) -> Any:
         if part not in hints:
             return None
         tp = hints[part]
+        if typing.get_origin(tp) is Literal:
+            tp = type(typing.get_args(tp)[0])
         if typing.get_origin(tp) is Union:
             inner = [a for a in typing.get_args(tp) if a is not type(None)]
             tp = inner[0] if len(inner) == 1 else tp

@@ -117,7 +117,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def option_flags() -> List[Tuple[str, str, PEOption]]:
-    """(flag, option key, option) of every flag the families declare for a test-time option (``--lookhere-slope``,
+    """(flag, option key, option) of every flag the families declare for a test-time option (a bias family's slope,
     ``--rope-scaling``). A flag that several families declare for one option (every rotary family's ``--rope-scaling``)
     sets it on each part of a model that takes it: its key is the option's bare name."""
     owners: Dict[str, List[Tuple[str, PEOption]]] = {}

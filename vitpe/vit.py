@@ -19,12 +19,13 @@ from torch.nn.init import trunc_normal_
 from torch.utils.checkpoint import checkpoint
 
 from .coords import CoordAugment, CoordMode, PatchGrid, TokenGrid, content_tokens, snap, to_2tuple
-from .layers import AttentionPool, DropPath, LayerScale, Mlp, make_norm
+from .layers import ACTIVATIONS, NORMS, AttentionPool, DropPath, LayerScale, Mlp, make_norm
 from .packing import Packed
 from .patch import resize_patch_embed
-from .pos_embed import DEFAULT_POS_EMBED, PosContext, PosEmbed, build_pos_embed, pe_parts
+from .pos_embed import DEFAULT_POS_EMBED, PosContext, PosEmbed, build_pos_embed, check_pos_embed, pe_parts
+from .suggest import did_you_mean
 
-__all__ = ["POOLS", "Attention", "Block", "LayerScale", "VisionTransformer", "attend", "compute_dtype", "position_tokens", "take_indices"]
+__all__ = ["POOLS", "Attention", "Block", "LayerScale", "VisionTransformer", "attend", "check_model_args", "compute_dtype", "position_tokens", "take_indices"]
 
 POOLS = ("cls", "mean", "map")  # how the head reads the tokens: the class token, the mean of the patch tokens, an attention pool
 FINAL_NORMS = ("tokens", "pooled", "none")  # where the last norm acts: on every token, on the pooled vector (timm's fc_norm), nowhere
@@ -253,29 +254,71 @@ def take_indices(depth: int, indices: Optional[Union[int, Sequence[int]]]) -> Li
 
 # The numeric arguments and their ranges: a saved config with num_heads 0, depth -1, norm_eps -1 or a string for a
 # width is one ValueError line here, not a ZeroDivisionError deep inside or NaN logits from a model that loads.
-_WHOLE = {"in_chans": 1, "num_classes": 0, "embed_dim": 1, "depth": 1, "num_heads": 1, "num_reg_tokens": 0,
+_WHOLE = {"patch_size": 1, "in_chans": 1, "num_classes": 0, "embed_dim": 1, "depth": 1, "num_heads": 1, "num_reg_tokens": 0,
           "mlp_hidden_dim": 1, "pool_heads": 1}  # name -> least value (None allowed where the default is None)
-_RATES = ("drop_rate", "attn_drop_rate", "drop_path_rate")
+# name -> (lowest, highest, lowest included, highest included); None: the default None is allowed
+_REAL = {"mlp_ratio": (0, math.inf, False, False), "norm_eps": (0, math.inf, False, False), "init_values": (0, math.inf, False, False),
+         "content_keep": (0, 1, False, True), "drop_rate": (0, 1, True, False), "attn_drop_rate": (0, 1, True, False),
+         "drop_path_rate": (0, 1, True, False)}
 
 
-def _check_numbers(args: Dict[str, Any]) -> None:
+def _span(lo: float, hi: float, lo_in: bool, hi_in: bool) -> str:
+    return f"{'[' if lo_in else '('}{lo:g}, {'inf' if hi == math.inf else f'{hi:g}'}{']' if hi_in else ')'}"
+
+
+def check_model_args(args: Dict[str, Any]) -> None:
+    """Every check of :class:`VisionTransformer`'s arguments that needs nothing built: ranges, choices, the shapes that
+    must divide, the coordinate mode and augmentation, and the positional encoding's family and options
+    (:func:`vitpe.pos_embed.check_pos_embed`). ``args`` may leave out arguments (their defaults are not checked). Raises
+    a one-line ``ValueError`` that starts with the argument's name (``depth=0 is out of range; it must be in [1, inf)``):
+    the model and a config file's ``model`` section (vitpe.config, when it is read) share these checks."""
     for name, least in _WHOLE.items():
-        v = args[name]
-        if v is None and name in ("mlp_hidden_dim", "pool_heads"):
+        v = args.get(name)
+        if v is None and (name not in args or name in ("mlp_hidden_dim", "pool_heads")):
             continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < least:
-            raise ValueError(f"{name} must be a whole number >= {least}, got {v!r}")
-    for name in ("mlp_ratio", "norm_eps"):
-        v = args[name]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
-            raise ValueError(f"{name} must be a positive, finite number, got {v!r}")
-    for name in _RATES:
-        v = args[name]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-            raise ValueError(f"{name} must be a probability in [0, 1), got {v!r}")
-    v = args["init_values"]
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-        raise ValueError(f"init_values must be a finite number or None, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name} must be a whole number, got {v!r}")
+        if v < least:
+            raise ValueError(f"{name}={v} is out of range; it must be in [{least}, inf)")
+    for name, (lo, hi, lo_in, hi_in) in _REAL.items():
+        v = args.get(name)
+        if v is None and (name not in args or name == "init_values"):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{name} must be a number, got {v!r}")
+        if not ((lo <= v if lo_in else lo < v) and (v <= hi if hi_in else v < hi)):  # NaN fails both
+            raise ValueError(f"{name}={v} is out of range; it must be in {_span(lo, hi, lo_in, hi_in)}")
+    if "img_size" in args:
+        img = to_2tuple(args["img_size"], "img_size")
+        patch = args.get("patch_size", 16)
+        if img[0] % patch or img[1] % patch:
+            raise ValueError(f"img_size={args['img_size']} is not divisible by patch_size={patch}")
+    for name, valid in (("pool", POOLS), ("final_norm", FINAL_NORMS), ("norm_layer", tuple(NORMS)), ("mlp_act", tuple(ACTIVATIONS))):
+        if name in args and args[name] not in valid:
+            raise ValueError(f"{name}={args[name]!r} is not valid{did_you_mean(args[name], valid)}; choose one of {', '.join(valid)}")
+    pool, class_token = args.get("pool", "cls"), args.get("class_token", True)
+    if pool == "cls" and not class_token:
+        raise ValueError("pool='cls' needs class_token=True; use pool='mean' without a class token")
+    if args.get("distilled") and pool != "cls":
+        raise ValueError("distilled=True reads the class and distillation tokens: it needs pool='cls'")
+    embed_dim, num_heads = args.get("embed_dim", 192), args.get("num_heads", 3)
+    if embed_dim % num_heads:
+        raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
+    if "coord_mode" in args:
+        CoordMode.parse(args["coord_mode"], "coord_mode")
+    coord_aug = args.get("coord_aug") or {}
+    names = [f.name for f in dataclasses.fields(CoordAugment)]
+    unknown = sorted(set(coord_aug) - set(names))
+    if unknown:
+        raise ValueError(f"coord_aug.{unknown[0]} is not a coord_aug key{did_you_mean(unknown[0], names)}; valid keys: {', '.join(names)}")
+    try:
+        CoordAugment(**coord_aug)
+    except TypeError:
+        raise ValueError(f"coord_aug takes numbers for shift, rescale and jitter and true/false for per_image, got {coord_aug}") from None
+    try:
+        check_pos_embed(args.get("pos_embed", DEFAULT_POS_EMBED), args.get("pos_embed_kwargs") or {})
+    except ValueError as e:
+        raise ValueError(f"pos_embed={args.get('pos_embed', DEFAULT_POS_EMBED)!r}: {e}") from None
 
 
 def parameter_estimate(args: Dict[str, Any]) -> int:
@@ -356,24 +399,8 @@ class VisionTransformer(nn.Module):
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
         self.model_args: Dict[str, Any] = args  # what built it: vitpe.save_pretrained writes them (model.coord_mode as it is then)
-        _check_numbers(args)
+        check_model_args(args)
         self.img_size = to_2tuple(img_size, "img_size")
-        if not isinstance(patch_size, int) or patch_size < 1:
-            raise ValueError(f"patch_size must be a positive int, got {patch_size!r}")
-        if self.img_size[0] % patch_size or self.img_size[1] % patch_size:
-            raise ValueError(f"img_size {self.img_size} is not divisible by patch_size {patch_size}")
-        if pool not in POOLS:
-            raise ValueError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
-        if not 0 < content_keep <= 1:
-            raise ValueError(f"content_keep must be in (0, 1], got {content_keep}")
-        if pool == "cls" and not class_token:
-            raise ValueError("pool='cls' needs class_token=True; use pool='mean' without a class token")
-        if final_norm not in FINAL_NORMS:
-            raise ValueError(f"final_norm must be one of {', '.join(FINAL_NORMS)}, got {final_norm!r}")
-        if distilled and pool != "cls":
-            raise ValueError("distilled=True reads the class and distillation tokens: it needs pool='cls'")
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
         self.patch_size, self.in_chans, self.num_classes = patch_size, in_chans, num_classes
         self.embed_dim, self.depth, self.num_heads, self.pool = embed_dim, depth, num_heads, pool
         self.num_features = self.head_hidden_size = embed_dim  # timm's names for the width the head reads
@@ -381,14 +408,7 @@ class VisionTransformer(nn.Module):
         self.content_keep = content_keep
         self.ref_grid = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
         self.coord_mode = coord_mode
-        try:
-            self.coord_aug = CoordAugment(**(coord_aug or {}))
-        except TypeError:
-            names = [f.name for f in dataclasses.fields(CoordAugment)]
-            unknown = [k for k in coord_aug if k not in names]
-            if unknown:
-                raise ValueError(f"unknown coord_aug option {unknown[0]!r} in {coord_aug}; valid: {', '.join(names)}") from None
-            raise ValueError(f"coord_aug takes numbers for shift, rescale and jitter and true/false for per_image, got {coord_aug}") from None
+        self.coord_aug = CoordAugment(**(coord_aug or {}))  # checked above
         self.num_prefix_tokens = int(class_token) + int(distilled) + num_reg_tokens
         self.pool_prefix, self.distilled = pool_prefix, distilled
 

@@ -15,6 +15,7 @@ from .functional import (
 from .registry import (
     CombinedPosEmbed,
     build_pos_embed,
+    check_pos_embed,
     list_pos_embeds,
     pe_parts,
     pe_test_options,

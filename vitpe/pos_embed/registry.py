@@ -13,7 +13,7 @@ from ..suggest import did_you_mean
 from .base import PEOption, PosContext, PosEmbed
 
 __all__ = ["register_pos_embed", "list_pos_embeds", "build_pos_embed", "pos_embed_options", "pos_embed_info", "CombinedPosEmbed",
-           "pe_parts", "pe_test_options", "set_pe_option", "set_rope_extrapolation"]
+           "pe_parts", "pe_test_options", "set_pe_option", "set_rope_extrapolation", "check_pos_embed"]
 
 _REGISTRY: Dict[str, Type[PosEmbed]] = {}
 _COMMON = ("self", "dim", "num_heads", "ref_grid", "depth")
@@ -77,12 +77,10 @@ def _lookup(name: str) -> Type[PosEmbed]:
     return _REGISTRY[name]
 
 
-def build_pos_embed(name: str, *, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, **options: Any) -> PosEmbed:
-    """Build a positional encoding by registry name, or a '+'-combination of them (``"A+B"``: an additive encoding with a rotary one, say).
-
-    In a combination, an option goes to every part that accepts it; ``"part.option"`` targets one part.
-    An unknown name, or an option no part accepts, raises ``ValueError`` naming the valid ones.
-    """
+def check_pos_embed(name: str, options: Optional[Dict[str, Any]] = None) -> Dict[str, Dict[str, Any]]:
+    """The options of each part of encoding ``name`` (a registry name or a '+'-combination), as :func:`build_pos_embed`
+    routes them, without building anything: an unknown family or option, or a part named twice, is a ``ValueError``
+    in one line naming the valid ones. A config file's model is checked with this when it is read, before any data."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"positional encoding name must be a non-empty string, got {name!r}")
     parts = [p.strip() for p in name.split("+")]
@@ -91,7 +89,7 @@ def build_pos_embed(name: str, *, dim: int, num_heads: int, ref_grid: Size2, dep
     if len(set(parts)) != len(parts):
         raise ValueError(f"positional encoding {name!r} names a part twice")
     per_part: Dict[str, Dict[str, Any]] = {p: {} for p in parts}
-    for key, value in options.items():
+    for key, value in (options or {}).items():
         target, _, opt = key.rpartition(".")
         targets = [target] if target else [p for p in parts if opt in pos_embed_options(p)]
         if target and (target not in per_part or opt not in pos_embed_options(target)):
@@ -105,9 +103,19 @@ def build_pos_embed(name: str, *, dim: int, num_heads: int, ref_grid: Size2, dep
             value = CoordMode.parse(value, key)
         for t in targets:
             per_part[t][opt] = value
+    return per_part
+
+
+def build_pos_embed(name: str, *, dim: int, num_heads: int, ref_grid: Size2, depth: int = 1, **options: Any) -> PosEmbed:
+    """Build a positional encoding by registry name, or a '+'-combination of them (``"A+B"``: an additive encoding with a rotary one, say).
+
+    In a combination, an option goes to every part that accepts it; ``"part.option"`` targets one part.
+    An unknown name, or an option no part accepts, raises ``ValueError`` naming the valid ones.
+    """
+    per_part = check_pos_embed(name, options)
     common = dict(dim=dim, num_heads=num_heads, ref_grid=ref_grid, depth=depth)
     built = []
-    for p in parts:
+    for p in per_part:
         mode = per_part[p].pop("coord_mode", None)
         built.append(_REGISTRY[p](**common, **per_part[p]))
         built[-1].coord_mode = mode
