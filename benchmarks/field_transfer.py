@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from studykit import convergence, train_or_reuse
@@ -89,12 +89,12 @@ def train_row(out: Path, data: str, family: str, recipe: str, seed: int, args) -
         epochs *= 2
 
 
-def plan_of(model, size: int, family: str) -> List[Tuple[str, str, Tuple[int, int]]]:
+def plan_of(model, size: int, family: str, scales: Sequence[float] = SCALES) -> List[Tuple[str, str, Tuple[int, int]]]:
     """(coord_mode, route, size) for every evaluation of a row: each coordinate mode that applies at every scale (one mode
     for a family that reads no coordinates), the patch route where the trained grid fits, and the resize baseline."""
     modes = ["interpolate", "extrapolate"] if vitpe.pos_embed_info(family)["reads_coords"] else ["interpolate"]
     plan = []
-    for s in SCALES:
+    for s in scales:
         hw = (snap(s * size, model.patch_size),) * 2
         plan += [(m, "coords", hw) for m in modes]
         ref = model.ref_grid[0]
@@ -106,7 +106,8 @@ def plan_of(model, size: int, family: str) -> List[Tuple[str, str, Tuple[int, in
     return plan
 
 
-def evaluate_row(run: Path, data: str, family: str, recipe: str, seed: int, test_size: Optional[int]) -> List[Dict]:
+def evaluate_row(run: Path, data: str, family: str, recipe: str, seed: int, test_size: Optional[int],
+                 scales: Sequence[float] = SCALES) -> List[Dict]:
     model, state = model_from_checkpoint(run)
     cfg = checkpoint_config(state)
     size = cfg.model.img_size
@@ -115,7 +116,7 @@ def evaluate_row(run: Path, data: str, family: str, recipe: str, seed: int, test
     base = {"data": data, "pos_embed": family, "recipe": recipe, "seed": seed, "train_size": size,
             **{k: verdict[k] for k in ("epochs", "converged", "last_fifth_gain_points", "train_time_s")}}
     rows = []
-    for r in evaluate_at(model, ds, plan_of(model, size, family), torch.device("cpu"), desc=f"{data} {family} {recipe} s{seed}"):
+    for r in evaluate_at(model, ds, plan_of(model, size, family, scales), torch.device("cpu"), desc=f"{data} {family} {recipe} s{seed}"):
         scale = round((r["height"] * r["width"]) ** 0.5 / size, 4)
         rows.append({**base, **{k: r[k] for k in ("route", "coord_mode", "resolution", "height", "width", "tokens_per_image", "n", "top1")},
                      "loss": round(r["loss"], 4), "scale": scale})
@@ -298,6 +299,8 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], help="extra config override for every run")
     p.add_argument("--max-doublings", type=int, help="retrain a run still moving at most this many times (default: DOUBLINGS)")
     p.add_argument("--test-size", type=int, help="test images per evaluation (default: the full test set)")
+    p.add_argument("--scales", nargs="+", type=float, default=list(SCALES), choices=SCALES, help="the sizes to evaluate, as multiples of the "
+                   "training size (default: every one of SCALES; a row's cost is mostly its largest). 1 is always measured")
     p.add_argument("--until", metavar="HH:MM", help="start no new row after this time of day (a session's end; rows are lost if cut)")
     p.add_argument("--shard", default="0/1", help="K/N: this process takes every N-th row from the K-th (processes sharing OUT)")
     p.add_argument("--out", default=str(ROOT / "docs" / "field_transfer"))
@@ -330,7 +333,7 @@ def main(argv=None) -> int:
             print(f"it is past {args.until}: no new row started ({(time.time() - started) / 60:.1f} min)")
             break
         run = train_row(out, data, family, recipe, seed, args)
-        new = evaluate_row(run, data, family, recipe, seed, args.test_size)
+        new = evaluate_row(run, data, family, recipe, seed, args.test_size, sorted({1.0, *args.scales}))
         with locked(out):
             rows = [r for r in load_results(out) if key_of(r) != (data, family, recipe, seed)] + new
             save_results(rows, out)

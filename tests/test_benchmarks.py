@@ -745,6 +745,20 @@ def test_field_transfer_reports_a_snapped_size_under_its_planned_scale(tmp_path)
     assert "| rope_mixed | field | 1 | 90.0 | -10.0 / - / -5.0 |" in table
 
 
+def test_field_transfer_measures_only_the_scales_asked_for():
+    """--scales cuts a row's evaluations to the sizes a table needs (a row's cost is mostly its largest size): every
+    route at those scales and at 1x, nothing else."""
+    study = load_benchmark("field_transfer")
+    model = vitpe.VisionTransformer(img_size=32, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=10)
+    full = study.plan_of(model, 32, "sincos2d")
+    cut = study.plan_of(model, 32, "sincos2d", [1.0, 2.0])
+    assert {hw[0] for _, _, hw in full} > {hw[0] for _, _, hw in cut} == {32, 64}
+    assert {(m, r) for m, r, _ in cut} == {("interpolate", "coords"), ("extrapolate", "coords"), ("interpolate", "patch"),
+                                          ("interpolate", "resize")}
+    with pytest.raises(SystemExit):  # a scale the tables have no column for
+        study.main(["--scales", "2.5", "--report"])
+
+
 def test_finetune_study_smoke(tmp_path):
     """Every arm of the fine-tuning study on tiny runs: sources first, fine-tunes from them, each arm measured at every
     size into the record; a second call finds them all recorded, and the report reads the record back."""
