@@ -21,7 +21,7 @@ from .suggest import did_you_mean
 from .vit import VisionTransformer, check_model_args
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "InitConfig", "Config", "load_config", "apply_overrides", "train_resolutions",
-           "shipped_configs", "config_path"]
+           "shipped_configs", "shipped_config_names", "config_path"]
 
 
 class ConfigError(VitpeError):
@@ -341,13 +341,18 @@ def shipped_configs() -> Path:
     return inside if inside.is_dir() else Path(__file__).resolve().parents[1] / "configs"
 
 
+def shipped_config_names() -> List[str]:
+    """The names ``--config`` takes for the shipped configs (``fashion_mnist`` for ``configs/fashion_mnist.yaml``)."""
+    return sorted(f.stem for f in shipped_configs().glob("*.yaml"))
+
+
 def config_path(config: Union[str, Path]) -> Path:
     """The file ``--config`` names: a YAML file that exists, else a shipped config by name (``fashion_mnist``) or by its
     path in a clone (``configs/fashion_mnist.yaml``, which then works from any folder and from an installed wheel)."""
     p = Path(config)
     if p.is_file():
         return p
-    names = sorted(f.stem for f in shipped_configs().glob("*.yaml"))
+    names = shipped_config_names()
     bare = p.suffix == "" and len(p.parts) == 1
     if bare or (p.suffix == ".yaml" and p.parent == Path("configs")):
         if p.stem in names:

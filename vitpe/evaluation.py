@@ -173,9 +173,10 @@ def parse_pe_options(items: List[str]) -> List[Tuple[str, str]]:
     return out
 
 
-def option_value(items: List[str], name: str) -> Optional[str]:
-    """The value the command line gives test-time option ``name`` (bare or as ``FAMILY.name``; the last one given)."""
-    given = [text.strip() for key, _, text in (item.partition("=") for item in items) if key.strip().rpartition(".")[2] == name]
+def option_value(options: List[Tuple[str, str]], name: str) -> Optional[str]:
+    """The value :func:`parse_pe_options`' ``options`` give test-time option ``name`` (bare or as ``FAMILY.name``; the
+    last one given)."""
+    given = [text for key, text in options if key.rpartition(".")[2] == name]
     return given[-1] if given else None
 
 
@@ -483,6 +484,8 @@ def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, 
           on_row: Callable[[List[Dict]], None] = lambda rows: None) -> None:
     """Evaluate every plan, appending a row to ``rows`` as each size finishes and calling ``on_row(rows)`` then (an
     interrupted or killed sweep keeps them)."""
+    options = parse_pe_options(args.pe_options)  # the rotary controls keep their own columns, as before they were options
+    controls = {column: option_value(options, name) for column, name in (("rope_scaling", "scaling"), ("p_rope", "p_rope"))}
     for run in plans:
         model, cfg, ds = run.model, run.cfg, run.ds
         train_size = cfg.model.img_size
@@ -497,7 +500,7 @@ def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, 
             plan = [(mode, route, hw) for hw in sizes] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
             for row in evaluate_at(model, ds, plan, device, dtype, run.batch, label, args.tta, args.diagnostics):
                 rows.append({"run": str(run.ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": run.data,
-                             **{column: option_value(args.pe_options, name) for column, name in (("rope_scaling", "scaling"), ("p_rope", "p_rope"))},
+                             **controls,
                              "pe_options": ";".join(args.pe_options) or None, "chance": 1 / ds.num_classes,
                              "weights": "ema" if run.state.get("ema") is not None and not args.no_ema else "raw",
                              "train_size": train_size, "train_sizes": trained_span(cfg),

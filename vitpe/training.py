@@ -42,6 +42,7 @@ from vitpe.config import (
     config_path,
     load_config,
     save_config,
+    shipped_config_names,
     shipped_configs,
     train_resolutions,
 )
@@ -83,7 +84,7 @@ class TrainingError(VitpeError, RuntimeError):
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="a YAML file, or a shipped config by name: "
-                   f"{', '.join(sorted(f.stem for f in shipped_configs().glob('*.yaml')))} (default: {DEFAULT_CONFIG.stem})")
+                   f"{', '.join(shipped_config_names())} (default: {DEFAULT_CONFIG.stem})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.lr=5e-4 --set train.epochs=5")
     p.add_argument("--data", help="shortcut for --set data.name=NAME")

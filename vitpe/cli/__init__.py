@@ -36,15 +36,15 @@ def usage() -> str:
 
 
 def list_configs(argv: Optional[List[str]] = None) -> int:
-    from vitpe.config import shipped_configs
+    from vitpe.config import shipped_config_names, shipped_configs
 
     if argv:
         print(f"error: vitpe configs takes no arguments, got {' '.join(argv)}", file=sys.stderr)
         return 2
     folder = shipped_configs()
-    for path in sorted(folder.glob("*.yaml")):
-        first = next((line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
-        print(f"{path.stem:<22} {first}")
+    for name in shipped_config_names():
+        first = next((line.lstrip("# ").strip() for line in (folder / f"{name}.yaml").read_text().splitlines() if line.startswith("#")), "")
+        print(f"{name:<22} {first}")
     print(f"(in {folder})")
     return 0
 
