@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Evaluate trained checkpoints at several resolutions: the command line of :mod:`vitpe.evaluation`.
+"""Evaluate trained checkpoints at several resolutions: the command ``vitpe eval`` (:mod:`vitpe.cli.eval`) in a clone.
 
     python eval.py runs/shapes-sincos2d-...                            # 0.5x .. 2x the training size
     python eval.py runs/A runs/B --resolutions 16 32 48 64 128         # compare runs on one table and plot
@@ -7,7 +7,7 @@
 """
 import sys
 
-from vitpe.evaluation import cli
+from vitpe.cli.eval import cli
 
 if __name__ == "__main__":
     sys.exit(cli())

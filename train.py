@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a ViT classifier with any positional encoding: the command line of :mod:`vitpe.training`.
+"""Train a ViT classifier with any positional encoding: the command ``vitpe train`` (:mod:`vitpe.cli.train`) in a clone.
 
     python train.py                                        # shapes, the built-in dataset, ~4 min on 2 CPU cores
     python train.py --config configs/fashion_mnist.yaml --set model.pos_embed=rope_mixed
@@ -8,7 +8,7 @@
 """
 import sys
 
-from vitpe.training import cli
+from vitpe.cli.train import cli
 
 if __name__ == "__main__":
     sys.exit(cli())

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Accuracy on real data: the best Fashion-MNIST ViT a budget buys, and every PE family at equal budget.
 
-    python benchmarks/accuracy.py --suite fmnist                      # 15-min CPU recipe (configs/fashion_mnist_cpu.yaml)
-    python benchmarks/accuracy.py --suite fmnist --config configs/fashion_mnist.yaml   # the longer (GPU) recipe
-    python benchmarks/accuracy.py --suite pe --seeds 0 1              # every family x seeds, shapes and Fashion-MNIST
-    python benchmarks/accuracy.py --suite main --seeds 0 1 2          # the main job (configs/shapes.yaml) and the same without PE
-    python benchmarks/accuracy.py --smoke                             # seconds: checks the script still runs
+    python -m benchmarks.accuracy --suite fmnist                      # 15-min CPU recipe (configs/fashion_mnist_cpu.yaml)
+    python -m benchmarks.accuracy --suite fmnist --config configs/fashion_mnist.yaml   # the longer (GPU) recipe
+    python -m benchmarks.accuracy --suite pe --seeds 0 1              # every family x seeds, shapes and Fashion-MNIST
+    python -m benchmarks.accuracy --suite main --seeds 0 1 2          # the main job (configs/shapes.yaml) and the same without PE
+    python -m benchmarks.accuracy --smoke                             # seconds: checks the script still runs
 
 Every number is the last epoch's test top-1 on the full test split (no best-epoch picking). Runs go to
 OUT/runs/ (a finished run is reused, an interrupted one resumed); results to OUT/accuracy.json and
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Dict, List
 
 import torch
-from studykit import smoke_args, train_or_reuse
-from timing import cpu_name
 
 import vitpe
+from benchmarks.studykit import TrainSpec, smoke_args, train_or_reuse
+from benchmarks.timing import cpu_name
 from vitpe.checkpoint import checkpoint_config, load_checkpoint
 from vitpe.config import load_config
 from vitpe.data import load_dataset
@@ -39,10 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 # The PE comparison: one recipe per dataset, only the PE changes. Budgets sized for 2 CPU cores (about a
 # minute per run); they rank the families at a short budget, which favours the fixed encodings.
-PE_RECIPES: Dict[str, List[str]] = {
-    "shapes": ["--config", str(CONFIGS / "shapes.yaml"), "--set", "train.epochs=3", "--set", "train.resolution_range=null"],
-    "fashion_mnist": ["--config", str(CONFIGS / "fashion_mnist_cpu.yaml"), "--set", "train.budget_min=null", "--set", "train.epochs=1",
-                      "--set", "train.warmup_epochs=0.2", "--set", "train.eval_tta=none"],
+PE_RECIPES: Dict[str, TrainSpec] = {
+    "shapes": TrainSpec(str(CONFIGS / "shapes.yaml"), ("train.epochs=3", "train.resolution_range=null")),
+    "fashion_mnist": TrainSpec(str(CONFIGS / "fashion_mnist_cpu.yaml"), ("train.budget_min=null", "train.epochs=1", "train.warmup_epochs=0.2",
+                                                                         "train.eval_tta=none")),
 }
 
 
@@ -75,7 +75,7 @@ def write_reference(rows: List[Dict], path: Path) -> None:
     entries = json.loads(path.read_text()) if path.is_file() else []
     entries = [e for e in entries if e["recipe"] != recipe] + [{
         "measured": f"{time.strftime('%Y-%m-%d')}, {rows[0]['cpu']}, torch {torch.__version__}",
-        "command": "python benchmarks/accuracy.py --suite main", "recipe": recipe, "results": results}]
+        "command": "python -m benchmarks.accuracy --suite main", "recipe": recipe, "results": results}]
     path.write_text(json.dumps(entries, indent=1) + "\n")
 
 
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
 
-    jobs = []  # (suite, data, pe, seed, train.py arguments); the fmnist suite's PE is its config's
+    jobs = []  # (suite, data, pe, seed, the run); the fmnist suite's PE is its config's
     if args.smoke:
         suite = "main" if args.suite == "main" else "pe"
         for pe in args.pes or ["none", "rope_mixed"]:
@@ -157,13 +157,13 @@ def main(argv=None) -> int:
     elif args.suite == "main":  # the config's own PE and the same recipe without one
         main_cfg = load_config(args.config)
         for pe in args.pes or list(dict.fromkeys([main_cfg.model.pos_embed, "none"])):
-            jobs += [("main", main_cfg.data.name, pe, s, ["--config", args.config, "--pe", pe]) for s in args.seeds]
+            jobs += [("main", main_cfg.data.name, pe, s, TrainSpec(args.config, (f"model.pos_embed={pe}",))) for s in args.seeds]
     elif args.suite == "fmnist":
-        jobs = [("fmnist", "fashion_mnist", "", s, ["--config", args.config]) for s in args.seeds]
+        jobs = [("fmnist", "fashion_mnist", "", s, TrainSpec(args.config)) for s in args.seeds]
     else:
         for data in args.data:
             for pe in args.pes or vitpe.list_pos_embeds():
-                jobs += [("pe", data, pe, s, [*PE_RECIPES[data], "--pe", pe]) for s in args.seeds]
+                jobs += [("pe", data, pe, s, PE_RECIPES[data].plus(f"model.pos_embed={pe}")) for s in args.seeds]
 
     previous = json.loads((out / "accuracy.json").read_text()) if (out / "accuracy.json").is_file() else []
     started, rows = time.time(), []
@@ -171,8 +171,7 @@ def main(argv=None) -> int:
         # Overrides are part of the name: a finished run is reused by name, so other settings need another one.
         tag = "-".join([{"fmnist": Path(args.config).stem, "main": f"{Path(args.config).stem}-{pe}"}.get(suite, f"{data}-{pe}"), *args.set])
         name = safe_name(f"{suite}-{tag}-seed{seed}")
-        cmd = [*cmd, "--set", f"train.seed={seed}", *[x for item in args.set for x in ("--set", item)]]
-        run = train_or_reuse(runs / name, cmd, name)
+        run = train_or_reuse(runs / name, cmd.plus(f"train.seed={seed}", *args.set), name)
         row = result_row(run, suite, data, seed)
         row["recipe_name"] = tag if suite == "fmnist" else data
         rows.append(row)

@@ -2,8 +2,8 @@
 """A larger image with the content at its trained scale: what a model trained on ``shapes`` loses to the larger grid
 alone, against a native rendering at the same size, where the content's scale changes too.
 
-    python benchmarks/canvas.py docs/resolution_transfer/runs/shapes-peg-seed0-e48 --margins 1 2 4
-    python benchmarks/canvas.py --smoke                       # seconds: trains a tiny run and measures it
+    python -m benchmarks.canvas docs/resolution_transfer/runs/shapes-peg-seed0-e48 --margins 1 2 4
+    python -m benchmarks.canvas --smoke                       # seconds: trains a tiny run and measures it
 
 Each test scene is drawn at its trained pixel scale in the middle of a canvas continuing its own background, with a
 margin of M patches on every side (``vitpe.data.shapes.on_canvas``), and the scene's patches get exactly the
@@ -29,15 +29,14 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
-from studykit import SDPA, sdpa_override, train_smoke
 from torch import Tensor, nn
 
+from benchmarks.studykit import SDPA, sdpa_override, train_smoke
 from vitpe.checkpoint import CheckpointError, checkpoint_config, model_from_checkpoint
 from vitpe.coords import PatchGrid
 from vitpe.data.datasets import SHAPES_SEED
 from vitpe.data.shapes import on_canvas, render_shapes, shapes_params
-from vitpe.engine import evaluate
-from vitpe.evaluation import dataset_of
+from vitpe.evaluation import dataset_of, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "resolution_transfer" / "canvas"

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """What makes a small ViT train faster on a CPU: each lever measured side by side in one process (issue 14).
 
-    nice python benchmarks/cpu_levers.py                      # every part, both architectures (~25 min on 2 cores)
-    python benchmarks/cpu_levers.py --parts profile --arch main
-    python benchmarks/cpu_levers.py --smoke                   # seconds: checks the script still runs
+    nice python -m benchmarks.cpu_levers                      # every part, both architectures (~25 min on 2 cores)
+    python -m benchmarks.cpu_levers --parts profile --arch main
+    python -m benchmarks.cpu_levers --smoke                   # seconds: checks the script still runs
 
 Parts: ``compile`` (torch.compile against eager, and the recompiles of a multi-resolution run), ``bf16`` (autocast
 against fp32, with the matrix products alone to say where the difference comes from), ``adamw`` (for-loop, foreach
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
-from timing import alternate, cpu_name, flops_per_call, matmul_peak, ratio, step_fn, usable_cores
 
 import vitpe
+from benchmarks.timing import alternate, cpu_name, flops_per_call, matmul_peak, ratio, step_fn, usable_cores
 from vitpe.config import load_config
 from vitpe.errors import VitpeError
 
@@ -198,11 +198,12 @@ def train_for(arch: str, threads: int, seconds: float, batch: int, smoke: bool) 
 def layout_speed(arch: str, threads: List[int], args) -> float:
     """Training images/s of processes with these thread counts, training at once: each its own Python process (what a
     study running several runs at a time gets), started together once every one has warmed up."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = dict(os.environ)
     procs = []
     for n in threads:  # OMP_NUM_THREADS too: the OpenMP pool is sized when torch loads, before set_num_threads runs
-        cmd = [sys.executable, __file__, "--worker", arch, str(n), str(args.threads_seconds), str(args.batch), str(int(args.smoke))]
-        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**env, "OMP_NUM_THREADS": str(n)}))
+        cmd = [sys.executable, "-m", "benchmarks.cpu_levers", "--worker", arch, str(n), str(args.threads_seconds), str(args.batch), str(int(args.smoke))]
+        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                      env={**env, "OMP_NUM_THREADS": str(n)}))
     done: List[Dict] = []
     try:
         for p in procs:

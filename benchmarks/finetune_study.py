@@ -3,10 +3,10 @@
 one, against the same model at that size by the coordinate, patch and resize routes, and against training at many
 sizes from the start (the main job's recipe), each with its training time.
 
-    OMP_NUM_THREADS=1 nice python benchmarks/finetune_study.py --data shapes --seeds 0 1 2 --out /work/ft_study &   # two at a time:
-    OMP_NUM_THREADS=1 nice python benchmarks/finetune_study.py --data shapes --seeds 0 1 2 --out /work/ft_study --shard 1/2 &
-    python benchmarks/finetune_study.py --report                           # the tables (docs/finetune/table.md, finetune.md) from the record
-    python benchmarks/finetune_study.py --smoke                            # seconds: the script still runs
+    OMP_NUM_THREADS=1 nice python -m benchmarks.finetune_study --data shapes --seeds 0 1 2 --out /work/ft_study &   # two at a time:
+    OMP_NUM_THREADS=1 nice python -m benchmarks.finetune_study --data shapes --seeds 0 1 2 --out /work/ft_study --shard 1/2 &
+    python -m benchmarks.finetune_study --report                           # the tables (docs/finetune/table.md, finetune.md) from the record
+    python -m benchmarks.finetune_study --smoke                            # seconds: the script still runs
 
 A row is (data, arm, seed). Arms: ``multi``, the dataset's config trained at every size of [16, 48] px (the main job's
 recipe); ``one``, the same at 32 px only; ``ft48``/``ft64``, ``one`` fine-tuned with ``--init`` at 48/64 px (its
@@ -25,7 +25,7 @@ configs/finetune.yaml's steps (the fine-tune's wall time); ``probe``, ``ft``, ``
 ``pretrain`` on the small folder with ``train.freeze=backbone``, as it is (layer decay 0.75), and with
 ``train.layer_decay=1``. Every arm's top-1 is on its own folder's test images at 32 px.
 
-    OMP_NUM_THREADS=1 nice python benchmarks/finetune_study.py --data fashion --out /work/ft_study --shard 0/2 &   # and 1/2
+    OMP_NUM_THREADS=1 nice python -m benchmarks.finetune_study --data fashion --out /work/ft_study --shard 0/2 &   # and 1/2
 """
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-from small_folders import read_idx
-from studykit import convergence, train_or_reuse, training_time
 
+from benchmarks.small_folders import read_idx
+from benchmarks.studykit import TrainSpec, convergence, train_or_reuse, training_time
 from vitpe.checkpoint import checkpoint_config, load_checkpoint, model_from_checkpoint
 from vitpe.config import load_config
 from vitpe.data.datasets import FMNIST_CLASSES
@@ -73,35 +73,33 @@ FOLDER_CONFIG, FINETUNE_CONFIG = ROOT / "configs" / "folder.yaml", ROOT / "confi
 SHORT: List[str] = []  # --smoke: overrides that make every small-data run a few steps
 
 
-def arm_args(data: str, arm: str, seed: int, out: Path) -> List[str]:
-    """``train.py`` arguments of an arm."""
+def arm_args(data: str, arm: str, seed: int, out: Path) -> TrainSpec:
+    """The run of an arm."""
     if arm in ("multi", "one"):
-        sets = [f"train.seed={seed}", "train.resolution_range=" + ("[16, 48]" if arm == "multi" else "null")]
-        return ["--config", str(CONFIGS[data]), *[a for s in sets for a in ("--set", s)]]
+        return TrainSpec(str(CONFIGS[data]), (f"train.seed={seed}", "train.resolution_range=" + ("[16, 48]" if arm == "multi" else "null")))
     source = out / "runs" / f"{data}-one-seed{seed}"
     size = ["train.resolutions=[64]"] if arm == "ft64keep" else [f"model.pos_embed={arm[3:]}"] if arm.startswith("pe-") else \
         [f"model.img_size={arm[2:]}"]
     steps = FT_IMAGES[arm] // 64
     sets = [f"train.seed={seed}", f"data.train_size={FT_IMAGES[arm]}", f"train.steps={steps}", f"train.warmup_steps={steps // 10}", *size]
-    return ["--init", str(source), *[a for s in sets for a in ("--set", s)]]
+    return TrainSpec(None, (f"init.source={source}", *sets))
 
 
-def transfer_args(arm: str, seed: int, out: Path) -> List[str]:
-    """``train.py`` arguments of an arm of the small-data part (folders under ``out``)."""
-    seed_set = ["--set", f"train.seed={seed}", *SHORT]
+def transfer_args(arm: str, seed: int, out: Path) -> TrainSpec:
+    """The run of an arm of the small-data part (folders under ``out``)."""
+    seed_set = [f"train.seed={seed}", *SHORT]
     if arm == "pretrain":
-        return ["--config", str(FOLDER_CONFIG), "--data", f"imagefolder:{out / 'fashion-pre'}", *seed_set]
-    small = ["--data", f"imagefolder:{out / 'fashion-small'}", *seed_set]
+        return TrainSpec(str(FOLDER_CONFIG), (f"data.name=imagefolder:{out / 'fashion-pre'}", *seed_set))
+    small = [f"data.name=imagefolder:{out / 'fashion-small'}", *seed_set]
     if arm == "scratch-recipe":
-        return ["--config", str(FOLDER_CONFIG), *small]
+        return TrainSpec(str(FOLDER_CONFIG), tuple(small))
     if arm == "scratch":  # the fine-tune's steps and warm-up: the same model and batch, so the same wall time
         recipe = load_config(str(FINETUNE_CONFIG)).train
-        return ["--config", str(FOLDER_CONFIG), *small, "--set", f"train.steps={recipe.steps}", "--set", f"train.warmup_steps={recipe.warmup_steps}",
-                *SHORT]
+        return TrainSpec(str(FOLDER_CONFIG), (*small, f"train.steps={recipe.steps}", f"train.warmup_steps={recipe.warmup_steps}", *SHORT))
     sets = {"probe": ["train.freeze=backbone"], "ft": [], "ft-nold": ["train.layer_decay=1.0"]}[arm]
     # the folder recipe's augmentation, as the scratch arms have it
-    return ["--init", str(out / "runs" / f"fashion-pretrain-seed{seed}"), *small, "--set", f"data.augment={load_config(str(FOLDER_CONFIG)).data.augment}",
-            *[a for s in sets for a in ("--set", s)]]
+    return TrainSpec(None, (f"data.name=imagefolder:{out / 'fashion-small'}", f"init.source={out / 'runs' / f'fashion-pretrain-seed{seed}'}",
+                            *seed_set, f"data.augment={load_config(str(FOLDER_CONFIG)).data.augment}", *sets))
 
 
 def write_folders(out: Path, arrays: Dict[str, Tuple[np.ndarray, np.ndarray]]) -> None:
@@ -176,8 +174,8 @@ def timm_speed(name: str, out: Path, images: int = 256, size: int = 224) -> Dict
     save_file({k: v.contiguous() for k, v in timm.create_model(name, pretrained=False).state_dict().items()}, str(weights))
     run = out / "runs" / f"timm-{name}"
     if not finished(run):
-        train_or_reuse(run, ["--init", f"timm:{name}", "--init-weights", str(weights), "--data", f"imagefolder:{folder}", "--epochs", "2",
-                             "--set", "train.batch_size=32", "--set", "train.eval_batch_size=64"], run.name)
+        train_or_reuse(run, TrainSpec(None, (f"data.name=imagefolder:{folder}", "train.epochs=2", f"init.source=timm:{name}",
+                                             f"init.weights={weights}", "train.batch_size=32", "train.eval_batch_size=64")), run.name)
     metrics = load_checkpoint(run)["metrics"]
     ours = vitpe.init_from(f"timm:{name}", weights=str(weights), num_classes=1000, img_size=160).eval()
     theirs = timm.create_model(name, pretrained=True, img_size=160, pretrained_cfg_overlay=dict(file=str(weights))).eval()
@@ -349,7 +347,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         CONFIGS = {d: ROOT / "configs" / "tiny.yaml" for d in CONFIGS}
         FT_IMAGES = {k: 256 for k in FT_IMAGES}
         FOLDERS = {k: (v[0], 24, 4) for k, v in FOLDERS.items()}
-        FOLDER_CONFIG, SHORT = ROOT / "configs" / "tiny.yaml", ["--set", "train.steps=4", "--set", "train.warmup_steps=1"]
+        FOLDER_CONFIG, SHORT = ROOT / "configs" / "tiny.yaml", ["train.steps=4", "train.warmup_steps=1"]
         record, test_size = args.out / "results.csv", None if transfer else 64
     if transfer:
         gen = np.random.default_rng(0)  # --smoke: folders of noise, for the mechanics

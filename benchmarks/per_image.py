@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Coordinates per image, measured: the shared-grid fast path against an earlier revision, token dropping, packing.
 
-    python benchmarks/per_image.py --parts baseline --baseline 12a28ff   # main-job training throughput, this tree / REV
-    python benchmarks/per_image.py --parts token_keep packing            # speed, side by side in one process
-    python benchmarks/per_image.py --parts accuracy --seeds 0 1          # Fashion-MNIST at equal wall time, r = 1 vs 0.5
-    python benchmarks/per_image.py --parts coord_aug                     # the study's coordinate augmentation: its cost
-    python benchmarks/per_image.py --parts baseline --baseline REV --with-coord-aug --pes fire   # ... this tree / REV
-    python benchmarks/per_image.py --parts lattice                       # bias families on packed rows: lattice / every pair
-    python benchmarks/per_image.py --smoke                               # seconds: checks the script still runs
+    python -m benchmarks.per_image --parts baseline --baseline 12a28ff   # main-job training throughput, this tree / REV
+    python -m benchmarks.per_image --parts token_keep packing            # speed, side by side in one process
+    python -m benchmarks.per_image --parts accuracy --seeds 0 1          # Fashion-MNIST at equal wall time, r = 1 vs 0.5
+    python -m benchmarks.per_image --parts coord_aug                     # the study's coordinate augmentation: its cost
+    python -m benchmarks.per_image --parts baseline --baseline REV --with-coord-aug --pes fire   # ... this tree / REV
+    python -m benchmarks.per_image --parts lattice                       # bias families on packed rows: lattice / every pair
+    python -m benchmarks.per_image --smoke                               # seconds: checks the script still runs
 
 ``baseline`` imports REV's vitpe (a git worktree) beside this tree's and alternates their training steps in one
 process, A B A B, reporting the median of the per-round ratios. ``token_keep`` and ``packing`` alternate in one process
@@ -38,10 +38,10 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 import yaml
-from studykit import train_or_reuse
-from timing import alternate, flops_per_call, ratio
 
 import vitpe
+from benchmarks.studykit import TrainSpec, train_or_reuse
+from benchmarks.timing import alternate, flops_per_call, ratio
 from vitpe.checkpoint import load_checkpoint
 from vitpe.config import ModelConfig, load_config
 from vitpe.data import load_dataset
@@ -316,10 +316,10 @@ def part_accuracy(args, speedup: float) -> List[Dict]:
     for seed in args.seeds:
         for keep, epochs in plans:
             name = safe_name(f"fmnist-cpu-keep{keep:g}-e{epochs}-seed{seed}")
-            cmd = ["--config", str(ROOT / "configs" / "fashion_mnist_cpu.yaml"), "--set", "train.budget_min=null", "--set", f"train.epochs={epochs}",
-                   "--set", f"train.token_keep={keep}", "--set", f"train.seed={seed}"]
+            cmd = TrainSpec(str(ROOT / "configs" / "fashion_mnist_cpu.yaml"), ("train.budget_min=null", f"train.epochs={epochs}",
+                                                                               f"train.token_keep={keep}", f"train.seed={seed}"))
             if args.smoke:
-                cmd += ["--set", "data.train_size=512", "--set", "data.test_size=256"]
+                cmd = cmd.plus("data.train_size=512", "data.test_size=256")
             run = train_or_reuse(out / name, cmd, name)
             metrics = load_checkpoint(run)["metrics"]
             rows.append({"token_keep": keep, "epochs": epochs, "seed": seed, "test_top1": metrics[-1]["test_top1"],

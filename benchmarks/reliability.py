@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Kill, interrupt and terminate training runs at random instants, resume them, and count what survived.
 
-    nice python benchmarks/reliability.py                    # 20 trials each of kill -9, Ctrl-C (SIGINT), SIGTERM
-    python benchmarks/reliability.py --trials 1 --smoke      # a minute: 1-epoch runs in a temporary folder (the tests run it)
+    nice python -m benchmarks.reliability                    # 20 trials each of kill -9, Ctrl-C (SIGINT), SIGTERM
+    python -m benchmarks.reliability --trials 1 --smoke      # a minute: 1-epoch runs in a temporary folder (the tests run it)
 
 Each trial starts ``train.py`` on the tiny config (a few seconds of training), sends the signal after a delay
 drawn uniformly from half a second before the reference run started training (while the run directory is

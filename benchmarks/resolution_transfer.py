@@ -4,12 +4,12 @@ multi-resolution training, several seeds, each model trained until its test accu
 from 0.5x to 4x its training size and at two aspect ratios, on both coordinate modes, FlexiViT's patch-resize
 route and the RoPE extrapolation controls, with each layer's attention distance and entropy beside the accuracy.
 
-    python benchmarks/resolution_transfer.py --data shapes --seeds 0 1 2          # every row of one dataset
-    python benchmarks/resolution_transfer.py --data shapes --rows rope_axial rope_axial:multires --seeds 0
-    python benchmarks/resolution_transfer.py --report                             # tables and plots from the record
-    python benchmarks/resolution_transfer.py --smoke                              # seconds: checks the script still runs
-    python benchmarks/resolution_transfer.py --jobs 2 --data shapes --seeds 1 2   # two runs at a time, a core each
-    python benchmarks/resolution_transfer.py --park --park-dir /shared/parked     # unfinished (or unevaluated) runs, for the next machine
+    python -m benchmarks.resolution_transfer --data shapes --seeds 0 1 2          # every row of one dataset
+    python -m benchmarks.resolution_transfer --data shapes --rows rope_axial rope_axial:multires --seeds 0
+    python -m benchmarks.resolution_transfer --report                             # tables and plots from the record
+    python -m benchmarks.resolution_transfer --smoke                              # seconds: checks the script still runs
+    python -m benchmarks.resolution_transfer --jobs 2 --data shapes --seeds 1 2   # two runs at a time, a core each
+    python -m benchmarks.resolution_transfer --park --park-dir /shared/parked     # unfinished (or unevaluated) runs, for the next machine
 
 A row is a family name, or ``FAMILY:aug`` (``model.coord_aug`` = AUG below, a draw per image), ``FAMILY:augbatch`` (the
 same, one draw per batch: the default for PER_BATCH_ONLY, whose draw per image costs 9-35 times their training) or
@@ -53,16 +53,16 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from studykit import CONVERGED_POINTS, convergence, park_run, train_or_reuse, training_time, unpark_run  # noqa: F401
-from timing import usable_cores
 
 import vitpe
+from benchmarks.studykit import CONVERGED_POINTS, TrainSpec, convergence, park_run, train_or_reuse, training_time, unpark_run  # noqa: F401
+from benchmarks.timing import usable_cores
 from vitpe.checkpoint import CHECKPOINT_NAME, checkpoint_config, load_checkpoint, model_from_checkpoint
 from vitpe.config import apply_overrides, load_config
 from vitpe.coords import snap
 from vitpe.evaluation import DEFAULT_ASPECTS, dataset_of, evaluate_at
 from vitpe.runs import RunError, config_changes, safe_name, write_csv
-from vitpe.training import parse_args, resolve_config
+from vitpe.training import resolve_config
 
 try:
     import fcntl  # file locks for study processes sharing one OUT; POSIX only
@@ -141,19 +141,18 @@ def study_config(data: str, args):
     return apply_overrides(load_config(str(args.config or CONFIGS[data])), args.set)
 
 
-def train_args(data: str, row: str, seed: int, args) -> List[str]:
+def train_args(data: str, row: str, seed: int, args) -> TrainSpec:
+    """The run of a row (its epochs are the caller's)."""
     pe, variant = parse_row(row)
     config = args.config or CONFIGS[data]
     cfg = study_config(data, args)
-    cmd = ["--config", str(config), "--pe", pe, "--set", f"train.seed={seed}"]
+    sets = [f"model.pos_embed={pe}", f"train.seed={seed}"]
     if variant in COORD_AUG:
-        cmd += ["--set", f"model.coord_aug={COORD_AUG[variant]}"]
+        sets.append(f"model.coord_aug={COORD_AUG[variant]}")
     if variant == "multires":
         size, patch = cfg.model.img_size, cfg.model.patch_size
-        cmd += ["--set", f"train.resolution_range=[{snap(size / 2, patch)}, {snap(2 * size, patch)}]"]
-    for item in args.set:
-        cmd += ["--set", item]
-    return cmd
+        sets.append(f"train.resolution_range=[{snap(size / 2, patch)}, {snap(2 * size, patch)}]")
+    return TrainSpec(str(config), (*sets, *args.set))
 
 
 def train_converged(data: str, row: str, seed: int, args, runs: Path, results: List[Dict]) -> Path:
@@ -168,7 +167,7 @@ def train_converged(data: str, row: str, seed: int, args, runs: Path, results: L
         label, parked = f"{data} {row} seed {seed}, {epochs} epochs", park_dir(args, runs.parent) / name
         if unpark_run(parked, runs / name):
             print(f"[{label}] brought back from {parked} (parked by another machine): it goes on where it stopped")
-        run = train_or_reuse(runs / name, [*train_args(data, row, seed, args), "--set", f"train.epochs={epochs}"], label)
+        run = train_or_reuse(runs / name, train_args(data, row, seed, args).plus(f"train.epochs={epochs}"), label)
         if parked.exists():  # finished: the parked copy has done its work
             shutil.rmtree(parked)
             print(f"[{label}] finished: its parked copy {parked} is removed")
@@ -374,7 +373,8 @@ def measured_elsewhere(out: Path, results: List[Dict], data: str, row: str, seed
     entry = next((e for e in load_trained(out) if (e["data"], e["row"], e["seed"], e["epochs"]) == (data, row, seed, *epochs)), None)
     if entry is None or "config" not in entry:  # no config recorded: nothing says it is the recipe asked for
         return None
-    wanted = resolve_config(parse_args([*train_args(data, row, seed, args), "--set", f"train.epochs={entry['epochs']}"]))
+    spec = train_args(data, row, seed, args).plus(f"train.epochs={entry['epochs']}")
+    wanted = resolve_config(spec.config, spec.overrides)
     changes = config_changes(entry["config"], wanted.to_dict())
     if changes:
         print(f"[{data} {row} seed {seed}] measured with another config than this study asks for ({'; '.join(changes)}): "
@@ -608,7 +608,7 @@ def trained_table(trained: List[Dict]) -> List[str]:
     """OUT/trained.md: every run the study trained (the shorter run of a doubled row too), in the study's row order,
     with its convergence and training time; the wall-clock conditions (what ran beside) are in the study's doc."""
     order = {row: i for i, row in enumerate(all_rows())}
-    lines = ["Generated by `python benchmarks/resolution_transfer.py --report` from runs.jsonl. Training minutes count "
+    lines = ["Generated by `python -m benchmarks.resolution_transfer --report` from runs.jsonl. Training minutes count "
              "only the training of each run (a resumed run's pieces summed; `-` where the record has none). They depend on "
              "what else ran on the machine meanwhile (two single-threaded study processes side by side take about 1.5x as "
              "long each as one run alone).", ""]
@@ -634,7 +634,7 @@ def report(rows: List[Dict], out: Path) -> None:
     save_results(rows, out)
     group = cells(rows)
     cell_rows: List[Dict] = []
-    lines = [f"Generated by `python benchmarks/resolution_transfer.py --report` from {len(rows)} measurements. Cells: mean "
+    lines = [f"Generated by `python -m benchmarks.resolution_transfer --report` from {len(rows)} measurements. Cells: mean "
              f"± sd of top-1 % over seeds. `*` after a row: a seed that had not converged (test top-1 rose "
              f"{CONVERGED_POINTS} points or more over its last fifth of epochs). A cosine schedule flattens every run's "
              f"last fifth, so the training top-1 (last epoch, with augmentation and label smoothing) stands beside the test "
@@ -718,7 +718,7 @@ def report(rows: List[Dict], out: Path) -> None:
         plot(sub, group, data, out)
     (out / "table.md").write_text("\n".join(lines))
     write_csv(cell_rows, out / "cells.csv")
-    summary = ["Generated by `python benchmarks/resolution_transfer.py --report`: the tables of docs/resolution_transfer.md. "
+    summary = ["Generated by `python -m benchmarks.resolution_transfer --report`: the tables of docs/resolution_transfer.md. "
                "Top-1 % at the training size (mean ± sd over seeds), then the change from it in points at 2x (and 4x), "
                "interpolated coordinates unless the column says otherwise.", ""]
     for data in DATASETS:
@@ -869,8 +869,8 @@ def run_jobs(argv: List[str], jobs: int, out: Path) -> int:
     for log in logs:
         with open(log, "a") as f:  # appended: a resumed study keeps the log of the first attempt
             # Their own session: a terminal's Ctrl-C reaches them once, forwarded (twice would abort without saving).
-            procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--jobs", "1"], stdout=f, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True))
+            procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.resolution_transfer", *argv, "--jobs", "1"], stdout=f,
+                                          stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True))
     stopped_by, told = [], set()
 
     def forward(signum, frame) -> None:

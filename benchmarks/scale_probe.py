@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Where a model's loss at a larger size comes from: its positions, its token grid or its content's scale.
 
-    python benchmarks/scale_probe.py docs/resolution_transfer/runs/shapes-learned_multires-seed0-e48 --scale 4
-    python benchmarks/scale_probe.py --smoke                                   # seconds: trains a tiny run and probes it
+    python -m benchmarks.scale_probe docs/resolution_transfer/runs/shapes-learned_multires-seed0-e48 --scale 4
+    python -m benchmarks.scale_probe --smoke                                   # seconds: trains a tiny run and probes it
 
 At ``s`` times the training size (coordinate route) a model meets three new things at once: positions at a new density,
 ``s^2`` times the tokens, and patches that each cover ``1/s^2`` of the area they covered in training. The probe takes
@@ -35,13 +35,12 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from studykit import train_smoke
 from torch import Tensor
 
+from benchmarks.studykit import train_smoke
 from vitpe.checkpoint import CheckpointError, checkpoint_config, find_checkpoint, model_from_checkpoint
 from vitpe.coords import COORD_MODES, PatchGrid
-from vitpe.engine import evaluate
-from vitpe.evaluation import dataset_of
+from vitpe.evaluation import dataset_of, evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "docs" / "resolution_transfer" / "scale_probe"
@@ -76,7 +75,7 @@ def pooled_tokens(model, factor: int) -> Iterator[None]:
 
 def shifts(at_1x: Tensor, at_sx: Tensor, names) -> List[Dict]:
     """Each class whose top-1 falls at ``sx``: its top-1 at 1x and ``sx`` and the class most of its images go to
-    (``at_1x``, ``at_sx``: (true, predicted) class counts, :func:`vitpe.engine.evaluate`'s ``confusion``)."""
+    (``at_1x``, ``at_sx``: (true, predicted) class counts, :func:`vitpe.evaluation.evaluate`'s ``confusion``)."""
     out = []
     for c, (one, big) in enumerate(zip(at_1x, at_sx)):
         t1, ts = one[c].item() / max(one.sum().item(), 1), big[c].item() / max(big.sum().item(), 1)

@@ -2,8 +2,8 @@
 """What a model without position still reads on ``shapes``: its top-1 on the four arrangement classes by how much
 play each pair had along its axis, and whether it is a bag of patches (shuffling its patches changes no prediction).
 
-    python benchmarks/shapes_leak.py docs/resolution_transfer/runs/shapes-none-seed0-e48   # any shapes run, any PE
-    python benchmarks/shapes_leak.py --smoke                                              # seconds: trains a tiny run
+    python -m benchmarks.shapes_leak docs/resolution_transfer/runs/shapes-none-seed0-e48   # any shapes run, any PE
+    python -m benchmarks.shapes_leak --smoke                                              # seconds: trains a tiny run
 
 A pair that fills the image along its axis has almost nowhere else to go: where it sits, and so each shape's offset
 within its patches, follows from the shapes' sizes, and a bag of patches can read the arrangement from those offsets.
@@ -21,9 +21,9 @@ from typing import Dict, List
 
 import torch
 from einops import rearrange
-from studykit import train_smoke
 from torch import Tensor
 
+from benchmarks.studykit import train_smoke
 from vitpe.checkpoint import CheckpointError, checkpoint_config, find_checkpoint, model_from_checkpoint
 from vitpe.data.augment import normalize
 from vitpe.data.datasets import SHAPES_SEED

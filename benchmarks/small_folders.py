@@ -1,8 +1,8 @@
 """Small image folders trained by the plain command and by the small-folder recipe: what a user's own images get.
 
-    python benchmarks/small_folders.py make --out /tmp/folders              # the folders, from data packages ship
-    nice python benchmarks/small_folders.py train --out /tmp/folders --rows plain folder --seeds 0 1 2
-    python benchmarks/small_folders.py table --record docs/small_folders.csv
+    python -m benchmarks.small_folders make --out /tmp/folders              # the folders, from data packages ship
+    nice python -m benchmarks.small_folders train --out /tmp/folders --rows plain folder --seeds 0 1 2
+    python -m benchmarks.small_folders table --record docs/small_folders.csv
 
 Two real folders nobody here drew, as a user would have them (class folders of PNG files):
 

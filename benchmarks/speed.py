@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Speed, side by side in one process: vitpe's ViT against timm's, the cost of each PE, achieved FLOP/s.
 
-    python benchmarks/speed.py                 # CPU (and CUDA when present), both architectures
-    python benchmarks/speed.py --smoke         # seconds: checks the script still runs
-    python benchmarks/speed.py --part pe-cost --arch cifar   # only each PE against none (pe_cost.json/.md)
-    python benchmarks/speed.py --part bias-mask              # a bias as a 3-D or a 4-D SDPA mask (bias_mask.json/.md)
+    python -m benchmarks.speed                 # CPU (and CUDA when present), both architectures
+    python -m benchmarks.speed --smoke         # seconds: checks the script still runs
+    python -m benchmarks.speed --part pe-cost --arch cifar   # only each PE against none (pe_cost.json/.md)
+    python -m benchmarks.speed --part bias-mask              # a bias as a 3-D or a 4-D SDPA mask (bias_mask.json/.md)
 
 Measurements alternate A B A B so that drift (thermal, other load) hits both sides alike; each number
 is the median over rounds. Results: OUT/speed.json and OUT/speed.md.
@@ -21,11 +21,11 @@ from typing import Callable, Dict, List
 
 import torch
 import torch.nn.functional as F
-from studykit import SDPA, sdpa_override
-from timing import alternate, flops_per_call, matmul_peak, ratio, step_fn
 
 import vitpe
 import vitpe.vit
+from benchmarks.studykit import SDPA, sdpa_override
+from benchmarks.timing import alternate, flops_per_call, matmul_peak, ratio, step_fn
 from vitpe.config import load_config
 from vitpe.data import load_dataset
 from vitpe.data.augment import BatchAugment, normalize

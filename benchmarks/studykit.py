@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 from unittest import mock
@@ -17,18 +18,34 @@ from torch import Tensor
 from vitpe.checkpoint import CHECKPOINT_NAME, checkpoint_config, load_checkpoint
 from vitpe.config import load_config
 from vitpe.runs import CONFIG_NAME, METRICS_CSV, METRICS_JSONL, RunError, RunLock, config_changes
-from vitpe.training import main as train_main
-from vitpe.training import parse_args, resolve_config
+from vitpe.training import resolve_config, train
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERGED_POINTS = 0.3  # a run has converged when its test top-1 trend over the last fifth of its epochs is smaller than this, either way
 
 
-def train_or_reuse(run: Path, args: List[str], label: str) -> Path:
-    """What the hand-run studies share: train ``train.py ARGS --out-dir run.parent --name run.name`` once; a
-    finished run is reused and an interrupted one resumed, so a study stopped half-way continues where it stopped.
-    A run trained with another config than ARGS give (the study's recipe changed since) is refused, never reused."""
-    wanted = resolve_config(parse_args([*args, "--out-dir", str(run.parent), "--name", run.name]))
+@dataclass(frozen=True)
+class TrainSpec:
+    """A run a study trains, as :func:`vitpe.training.train` takes it: a config (a path or a shipped config's name;
+    None: the main job) and ``key=value`` overrides (``vitpe train --config CONFIG --set KEY=VALUE ...``)."""
+
+    config: Optional[str]
+    overrides: Tuple[str, ...] = ()
+
+    def plus(self, *overrides: str) -> "TrainSpec":
+        """The same run with more overrides (a later one wins)."""
+        return TrainSpec(self.config, (*self.overrides, *overrides))
+
+    def named(self, run: Path) -> Tuple[Optional[str], List[str]]:
+        """``(config, overrides)`` that train it into the directory ``run``."""
+        return self.config, [*self.overrides, f"out_dir={run.parent}", f"name={run.name}"]
+
+
+def train_or_reuse(run: Path, spec: TrainSpec, label: str) -> Path:
+    """What the hand-run studies share: train ``spec`` into ``run`` once; a finished run is reused and an interrupted
+    one resumed, so a study stopped half-way continues where it stopped. A run trained with another config than
+    ``spec`` gives (the study's recipe changed since) is refused, never reused."""
+    wanted = resolve_config(*spec.named(run))
     state = load_checkpoint(run) if (run / CHECKPOINT_NAME).is_file() else None
     stored = None
     if state is not None:
@@ -44,10 +61,10 @@ def train_or_reuse(run: Path, args: List[str], label: str) -> Path:
             print(f"[{label}] reusing finished run {run}")
             return run
         print(f"[{label}] resuming {run}")
-        rc = train_main(["--resume", str(run)])
+        rc = train(resume=str(run))
     else:
-        rc = train_main([*args, "--out-dir", str(run.parent), "--name", run.name])
-    if rc > 128:  # train.py's code for a signal: stopped at a step boundary and saved, or (a second Ctrl-C) its last save kept
+        rc = train(*spec.named(run))
+    if rc > 128:  # the training's code for a signal: stopped at a step boundary and saved, or (a second Ctrl-C) its last save kept
         raise SystemExit(f"training {run} stopped by {signal.Signals(rc - 128).name}: run the same command again to resume "
                          "it from its last checkpoint")
     if rc != 0:
@@ -118,16 +135,15 @@ def unpark_run(parked: Path, run: Path) -> bool:
     return True
 
 
-def smoke_args(pe: str, *overrides: str) -> List[str]:
-    """``train.py`` arguments of a smoke run: ``configs/tiny.yaml`` with ``pe`` and ``--set`` ``overrides`` for one
-    epoch, seconds on a CPU (what a benchmark's ``--smoke`` trains and measures)."""
-    sets = [a for o in ("train.epochs=1", *overrides) for a in ("--set", o)]
-    return ["--config", str(ROOT / "configs" / "tiny.yaml"), "--pe", pe, *sets]
+def smoke_args(pe: str, *overrides: str) -> TrainSpec:
+    """A smoke run: ``configs/tiny.yaml`` with ``pe`` and ``overrides`` for one epoch, seconds on a CPU (what a
+    benchmark's ``--smoke`` trains and measures)."""
+    return TrainSpec(str(ROOT / "configs" / "tiny.yaml"), (f"model.pos_embed={pe}", "train.epochs=1", *overrides))
 
 
 def train_smoke(out: Path, pe: str, *overrides: str) -> Path:
     """Train the :func:`smoke_args` run into ``out/pe``; returns the run directory."""
-    if train_main([*smoke_args(pe, *overrides), "--out-dir", str(out), "--name", pe]) != 0:
+    if train(*smoke_args(pe, *overrides).named(Path(out) / pe)) != 0:
         raise RunError(f"the smoke run {pe} in {out} failed to train; its log above says why")
     return Path(out) / pe
 

@@ -5,9 +5,9 @@ same input: tokens (``forward_features``) and output (``forward_head``) at the m
 larger, non-square size against timm's own dynamic-size path (``dynamic_img_size=True``). A model vitpe refuses is
 listed with the one-line reason vitpe gives.
 
-    python benchmarks/timm_coverage.py                       # every model (about 10 minutes on 2 cores)
-    python benchmarks/timm_coverage.py --models deit eva02   # those whose name contains a pattern
-    python benchmarks/timm_coverage.py --report              # the summary from the record
+    python -m benchmarks.timm_coverage                       # every model (about 10 minutes on 2 cores)
+    python -m benchmarks.timm_coverage --models deit eva02   # those whose name contains a pattern
+    python -m benchmarks.timm_coverage --report              # the summary from the record
 
 Record: docs/timm/coverage.csv (one row a model); docs/timm.md reads its counts.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import csv
 import re
-import sys
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -24,11 +23,10 @@ from typing import Dict, List
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import vitpe
+from vitpe.checkpoint import CheckpointError
 
-import vitpe  # noqa: E402
-from vitpe.checkpoint import CheckpointError  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RECORD = ROOT / "docs" / "timm" / "coverage.csv"
 FAMILIES = ("vit_*", "deit*", "eva*", "naflexvit*", "flexivit*")

@@ -1,5 +1,4 @@
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -8,7 +7,6 @@ import torch
 import vitpe
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the scripts import their shared study kit (benchmarks/studykit.py) as they do when run
 
 # Every registered family plus combinations that exercise each way of combining (additive+rotary,
 # additive+bias+conditional, additive+per-layer bias+rotary with an orthogonal mix, additive+matrix rotary).
@@ -17,8 +15,9 @@ ALL_PE = vitpe.list_pos_embeds() + ["sincos2d+rope_mixed", "learned+rel_bias+peg
 
 
 def load_benchmark(name: str):
-    """A script of benchmarks/ as a module (it is not a package): its functions are tested as the script runs them."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    """A fresh copy of the study ``benchmarks.NAME`` (its module state, which ``--smoke`` changes, is this test's own);
+    it imports its kit as the package it is (``python -m benchmarks.NAME``)."""
+    spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -213,9 +213,9 @@ def test_resolution_transfer_parks_an_unfinished_run_for_the_next_machine(tmp_pa
     import os
     import signal
 
-    from studykit import unpark_run
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    from benchmarks.studykit import unpark_run
     from vitpe.checkpoint import load_checkpoint
     from vitpe.runs import RunLock
 
@@ -309,8 +309,8 @@ def test_resolution_transfer_grid_draws_per_batch_where_a_draw_per_image_is_unaf
         with pytest.raises(SystemExit, match="unknown study row"):
             study.parse_row(bad)
     args = argparse.Namespace(config=None, set=[])
-    per_batch = study.train_args("shapes", "liere:augbatch", 0, args)
-    per_image = study.train_args("shapes", "rope_axial:aug", 0, args)
+    per_batch = study.train_args("shapes", "liere:augbatch", 0, args).overrides
+    per_image = study.train_args("shapes", "rope_axial:aug", 0, args).overrides
     assert "model.coord_aug={shift: 1.0, rescale: 2.0, jitter: 1.25, per_image: false}" in per_batch
     assert "model.coord_aug={shift: 1.0, rescale: 2.0, jitter: 1.25}" in per_image
 
@@ -627,11 +627,10 @@ def test_main_suite_records_its_results_and_a_later_run_of_the_recipe_compares_i
     # A new run of that recipe with another PE and seed ends with the measured comparison; another recipe does not.
     monkeypatch.setattr(training, "REFERENCE_FILE", reference)
     tiny = str(ROOT / "configs" / "tiny.yaml")
-    assert training.main(["--config", tiny, "--epochs", "1", "--pe", "sincos2d", "--set", "train.seed=5", "--out-dir", str(tmp_path),
-                          "--name", "later"]) == 0
+    assert training.train(tiny, ["train.epochs=1", "model.pos_embed=sincos2d", "train.seed=5", f"out_dir={tmp_path}", "name=later"]) == 0
     out = capsys.readouterr().out
     assert "learned: " in out and f"without a PE (pos_embed=none) the same recipe reached {100 * sum(none['top1']) / 2:.1f}%" in out
-    assert training.main(["--config", tiny, "--epochs", "2", "--out-dir", str(tmp_path), "--name", "other"]) == 0
+    assert training.train(tiny, ["train.epochs=2", f"out_dir={tmp_path}", "name=other"]) == 0
     assert "without a PE" not in capsys.readouterr().out
 
 
@@ -714,10 +713,10 @@ def test_field_transfer_smoke(tmp_path):
                                                                ("patch", "interpolate"), ("resize", "interpolate")}
     assert {r["coord_mode"] for r in rows if r["pos_embed"] == "none"} == {"interpolate"}  # it reads no coordinates
     assert {r["scale"] for r in sincos if r["route"] == "resize"} == {0.5, 0.75, 1.5, 2.0, 3.0, 4.0}
-    field = study.run_args("gratings", "sincos2d", "field", 0, 8, None, [])
+    field = study.run_args("gratings", "sincos2d", "field", 0, 8, None, []).overrides
     assert "data.crop_scale=[0.25, 1.0]" in field and any(a.startswith("model.coord_aug=") for a in field)
-    assert not any(a.startswith("model.coord_aug=") for a in study.run_args("gratings", "none", "field", 0, 8, None, []))
-    crops = study.run_args("gratings", "sincos2d", "crops", 0, 8, None, [])  # the crops alone: their effect apart from the coordinates'
+    assert not any(a.startswith("model.coord_aug=") for a in study.run_args("gratings", "none", "field", 0, 8, None, []).overrides)
+    crops = study.run_args("gratings", "sincos2d", "crops", 0, 8, None, []).overrides  # the crops alone: their effect apart from the coordinates'
     assert "data.crop_scale=[0.25, 1.0]" in crops and not any(a.startswith("model.coord_aug=") for a in crops)
     table = (tmp_path / "table.md").read_text()
     assert "| sincos2d | field | 1 |" in table and "| none | plain | 1 |" in table

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from vitpe import training as train_script
+from vitpe.cli import train as train_cmd
 from vitpe.data import SHAPES_CLASSES, DataError, load_dataset, render_shapes, shapes_params
 from vitpe.data import datasets as D
 from vitpe.data.augment import BatchAugment
@@ -264,7 +264,7 @@ def test_imagefolder_bad_input(tmp_path):
 
 def test_train_on_imagefolder(tmp_path):
     write_images(tmp_path / "imgs", per_class=20)
-    rc = train_script.main(["--config", str(Path(__file__).parents[1] / "configs" / "tiny.yaml"), "--data", f"imagefolder:{tmp_path / 'imgs'}",
+    rc = train_cmd.main(["--config", str(Path(__file__).parents[1] / "configs" / "tiny.yaml"), "--data", f"imagefolder:{tmp_path / 'imgs'}",
                             "--set", "train.batch_size=8", "--epochs", "1", "--out-dir", str(tmp_path / "runs"), "--name", "img"])
     assert rc == 0 and (tmp_path / "runs" / "img" / "checkpoint.pt").is_file()
 
@@ -348,7 +348,7 @@ def test_test_time_views_are_the_image_its_mirror_and_its_one_pixel_shifts():
 def test_evaluate_with_test_time_views_averages_the_probabilities():
     import vitpe
     from vitpe.data.augment import normalize, tta_views
-    from vitpe.engine import evaluate
+    from vitpe.evaluation import evaluate
 
     torch.manual_seed(0)
     model = vitpe.VisionTransformer(img_size=8, patch_size=4, in_chans=1, num_classes=4, embed_dim=16, depth=1, num_heads=2).eval()
@@ -365,7 +365,7 @@ def test_evaluate_with_test_time_views_averages_the_probabilities():
 def test_evaluate_gives_each_batch_the_coordinates_grid_of_returns():
     import vitpe
     from vitpe.data.augment import normalize
-    from vitpe.engine import evaluate
+    from vitpe.evaluation import evaluate
 
     torch.manual_seed(0)
     model = vitpe.VisionTransformer(img_size=8, patch_size=4, in_chans=1, num_classes=4, embed_dim=16, depth=1, num_heads=2,

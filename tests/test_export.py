@@ -8,8 +8,9 @@ import torch
 from conftest import ALL_PE
 
 import vitpe
-from vitpe import training as train_script
-from vitpe.export import main as export_main
+from vitpe.cli import train as train_cmd
+from vitpe.cli.export import cli as export_cli
+from vitpe.cli.export import main as export_main
 
 pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
@@ -31,7 +32,7 @@ def model(pe, **kw):
 @pytest.mark.parametrize("pe", ALL_PE)
 def test_every_family_exports_a_graph_for_any_size_or_says_why_not(pe, tmp_path):
     m = model(pe)
-    why = vitpe.export.onnx_refusal(m)
+    why = vitpe.onnx.onnx_refusal(m)
     if why:
         with pytest.raises(ValueError, match=f"^the '{re.escape(pe)}' PE cannot be exported to ONNX: .*, which ONNX has no operator for$"):
             vitpe.export_onnx(m, tmp_path / "m.onnx")
@@ -89,7 +90,7 @@ def test_export_never_overwrites_silently_and_refuses_in_one_line(tmp_path):
 def test_the_export_command_writes_onnx_and_timms_layout_from_a_run_with_the_weights_named(tmp_path, capsys):
     from vitpe.checkpoint import model_from_checkpoint
 
-    assert train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "run", "--epochs", "1",
+    assert train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "run", "--epochs", "1",
                               "--set", "train.ema_decay=0.5"]) == 0
     run = tmp_path / "run"
     assert export_main([str(run), "--onnx", str(tmp_path / "ema.onnx"), "--hf", str(tmp_path / "hf"), "--check", "16x16", "24x32"]) == 0
@@ -112,7 +113,7 @@ def test_the_export_command_writes_onnx_and_timms_layout_from_a_run_with_the_wei
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert meta["mean"] == config["pretrained_cfg"]["mean"] and meta["std"] == config["pretrained_cfg"]["std"] != [0.5] * 3
     assert meta["label_names"] == config["label_names"] and meta["input_size"] == [3, 16, 16]
-    assert export_main([str(run), "--onnx", str(tmp_path / "ema.onnx")]) == 2  # exists: kept, one line
+    assert export_cli([str(run), "--onnx", str(tmp_path / "ema.onnx")]) == 2  # exists: kept, one line
     assert "exists; pass overwrite=True (--overwrite)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         export_main([str(run)])  # nothing asked for
@@ -175,17 +176,17 @@ def test_the_export_command_never_destroys_its_run_and_says_each_failure_in_one_
     import subprocess
     import sys
 
-    assert train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "run", "--epochs", "1"]) == 0
+    assert train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "run", "--epochs", "1"]) == 0
     run = tmp_path / "run"
     checkpoint = (run / "checkpoint.pt").read_bytes()
     capsys.readouterr()
     for target in (run / "checkpoint.pt", run):
-        assert export_main([str(run), "--onnx", str(target), "--overwrite"]) == 2
+        assert export_cli([str(run), "--onnx", str(target), "--overwrite"]) == 2
         assert (run / "checkpoint.pt").read_bytes() == checkpoint
     err = capsys.readouterr().err
     assert "is the run's own checkpoint; write the graph elsewhere" in err and "is a folder; give the file to write" in err
     torch.save({"a": 1}, tmp_path / "other.pt")
-    assert export_main([str(run), "--onnx", str(tmp_path / "other.pt"), "--overwrite"]) == 2
+    assert export_cli([str(run), "--onnx", str(tmp_path / "other.pt"), "--overwrite"]) == 2
     assert "is a PyTorch checkpoint, not an ONNX file" in capsys.readouterr().err
     real_write = Path.write_bytes
 
@@ -196,7 +197,7 @@ def test_the_export_command_never_destroys_its_run_and_says_each_failure_in_one_
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Path, "write_bytes", full_disk)
         (tmp_path / "full").mkdir()
-        assert export_main([str(run), "--onnx", str(tmp_path / "full" / "m.onnx")]) == 2
+        assert export_cli([str(run), "--onnx", str(tmp_path / "full" / "m.onnx")]) == 2
     assert "cannot write" in capsys.readouterr().err and not list((tmp_path / "full").iterdir())  # no .tmp left
     for bad in ("0x0", "16x", "x"):
         with pytest.raises(SystemExit):
@@ -204,7 +205,7 @@ def test_the_export_command_never_destroys_its_run_and_says_each_failure_in_one_
         assert "must be positive" in capsys.readouterr().err or bad != "0x0"
     assert export_main([str(run), "--onnx", str(tmp_path / "m.onnx"), "--check", "24"]) == 0  # N: a square size
     assert "onnxruntime at 24x24" in capsys.readouterr().out
-    assert export_main([str(run), "--onnx", str(tmp_path / "big.onnx"), "--check", "16384x16384"]) == 2
+    assert export_cli([str(run), "--onnx", str(tmp_path / "big.onnx"), "--check", "16384x16384"]) == 2
     assert "resolution 16384x16384 needs about" in capsys.readouterr().err and not (tmp_path / "big.onnx").exists()
     help_run = subprocess.run([sys.executable, "-m", "vitpe.export", "--help"], capture_output=True, text=True)
     assert help_run.returncode == 0 and "found in sys.modules" not in help_run.stderr  # runpy's warning, once on every run

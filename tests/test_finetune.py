@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import vitpe
-from vitpe import training as train_script
+from vitpe import training
 from vitpe.checkpoint import load_checkpoint, model_from_checkpoint
+from vitpe.cli import train as train_cmd
 from vitpe.finetune import InitError, freeze, read_source
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def randomised(model):
 @pytest.fixture(scope="module")
 def source_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    assert train_script.main(["--config", TINY, "--out-dir", str(out), "--name", "src", "--set", "train.ema_decay=0.9"]) == 0
+    assert train_cmd.main(["--config", TINY, "--out-dir", str(out), "--name", "src", "--set", "train.ema_decay=0.9"]) == 0
     return out / "src"
 
 
@@ -89,7 +90,7 @@ def test_another_pe_family_starts_fresh_and_says_so(source_run):
 def test_freeze_backbone_leaves_every_other_parameter_bit_equal_after_training(source_run, tmp_path):
     """A linear probe through train.py: no gradient, weight decay or EMA drift outside the head."""
     before = model_from_checkpoint(source_run)[0].state_dict()
-    assert train_script.main(["--init", str(source_run), "--out-dir", str(tmp_path), "--name", "probe", "--set", "train.freeze=backbone",
+    assert train_cmd.main(["--init", str(source_run), "--out-dir", str(tmp_path), "--name", "probe", "--set", "train.freeze=backbone",
                               "--set", "train.steps=16", "--set", "train.ema_decay=0.5", "--set", "train.batch_size=32"]) == 0
     state = load_checkpoint(tmp_path / "probe")
     for weights in (state["model"], state["ema"]):
@@ -111,7 +112,7 @@ def test_an_interrupted_fine_tune_resumes_bit_exactly_and_the_source_is_only_rea
     digest = hashlib.sha256((source_run / "checkpoint.pt").read_bytes()).hexdigest()
     recipe = ["--init", str(source_run), "--out-dir", str(tmp_path), "--set", "train.freeze=1", "--set", "train.layer_decay=0.6",
               "--set", "model.img_size=24", "--set", "train.steps=12", "--set", "train.batch_size=32", "--pe", "learned+rope_mixed"]
-    assert train_script.main([*recipe, "--name", "whole"]) == 0
+    assert train_cmd.main([*recipe, "--name", "whole"]) == 0
     calls = {"n": 0}
 
     def hook(optimizer, args, kwargs):
@@ -121,10 +122,10 @@ def test_an_interrupted_fine_tune_resumes_bit_exactly_and_the_source_is_only_rea
 
     handle = register_optimizer_step_post_hook(hook)
     try:
-        assert train_script.main([*recipe, "--name", "cut"]) == 128 + signal.SIGINT
+        assert train_cmd.main([*recipe, "--name", "cut"]) == 128 + signal.SIGINT
     finally:
         handle.remove()
-    assert train_script.main(["--resume", str(tmp_path / "cut")]) == 0
+    assert train_cmd.main(["--resume", str(tmp_path / "cut")]) == 0
     a, b = load_checkpoint(tmp_path / "whole"), load_checkpoint(tmp_path / "cut")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert hashlib.sha256((source_run / "checkpoint.pt").read_bytes()).hexdigest() == digest
@@ -150,10 +151,10 @@ def test_freeze_n_and_layer_decay_use_timms_groups():
 
 def test_the_model_arguments_come_from_the_source(source_run, tmp_path, capsys):
     with pytest.raises(InitError, match="model.embed_dim=64 contradicts .*whose embed_dim is 32"):
-        train_script.main(["--init", str(source_run), "--out-dir", str(tmp_path), "--set", "model.embed_dim=64"])
+        train_cmd.main(["--init", str(source_run), "--out-dir", str(tmp_path), "--set", "model.embed_dim=64"])
     # the config file's model keys give way (tiny.yaml says img_size 16, depth 2 too; finetune.yaml says nothing)
-    cfg, source, lines = train_script.resolve_run(train_script.parse_args(["--init", str(source_run), "--config", str(ROOT / "configs" / "shapes.yaml"),
-                                                                           "--set", "model.img_size=24", "--set", "model.drop_path_rate=0.2"]))
+    cfg, source, lines = training.resolve_run(str(ROOT / "configs" / "shapes.yaml"), [f"init.source={source_run}", "model.img_size=24",
+                                                                                      "model.drop_path_rate=0.2"])
     assert (cfg.model.embed_dim, cfg.model.depth, cfg.model.img_size, cfg.model.drop_path_rate) == (32, 2, 24, 0.2)
     assert any("give way" in line for line in lines) and cfg.data.name == "shapes"
     assert not list(tmp_path.iterdir())
@@ -220,7 +221,7 @@ def test_train_py_fine_tunes_a_timm_model_on_a_folder(tmp_path, vit_tiny_file):
         for i in range(n):
             (tmp_path / "folder" / split / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
             Image.fromarray((torch.rand(40, 40, 3) * 255).to(torch.uint8).numpy()).save(tmp_path / "folder" / split / f"c{i % 2}" / f"{i}.png")
-    assert train_script.main(["--init", "timm:vit_tiny_patch16_224", "--init-weights", str(vit_tiny_file), "--data",
+    assert train_cmd.main(["--init", "timm:vit_tiny_patch16_224", "--init-weights", str(vit_tiny_file), "--data",
                               f"imagefolder:{tmp_path / 'folder'}", "--set", "model.img_size=32", "--epochs", "1", "--set", "train.batch_size=8",
                               "--out-dir", str(tmp_path / "runs"), "--name", "t"]) == 0
     state = load_checkpoint(tmp_path / "runs" / "t")

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import vitpe
-from vitpe import training as train_script
-from vitpe import viz
+from vitpe import training, viz
 from vitpe.checkpoint import CheckpointError, load_checkpoint
+from vitpe.cli import train as train_cmd
+from vitpe.cli.common import run_cli
+from vitpe.cli.predict import main as predict_main
 from vitpe.config import load_config
 from vitpe.engine import Heartbeat
-from vitpe.errors import run_cli
-from vitpe.predict import main as predict_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -30,7 +30,7 @@ def ema_run(tmp_path_factory):
 
 def test_ema_runs_say_whose_numbers_they_print_and_warn_about_schedules_that_cannot_work(ema_run, capsys, caplog):
     run, args = ema_run
-    assert train_script.main(args) == 0
+    assert train_cmd.main(args) == 0
     out = capsys.readouterr().out
     assert "warning: train.warmup_epochs=2 covers the whole 1-epoch run" in out
     assert "warning: train.ema_decay=0.999 averages over about 1000 steps but the run has 8" in out
@@ -41,55 +41,55 @@ def test_ema_runs_say_whose_numbers_they_print_and_warn_about_schedules_that_can
 
 def test_no_warnings_for_a_sound_schedule():
     cfg = load_config(str(Path(TINY).parent / "shapes.yaml"))
-    assert train_script.schedule_warnings(cfg, 156, 5000) == []  # the main job: 8 epochs x 156 steps, 5,000 test images
+    assert training.schedule_warnings(cfg, 156, 5000) == []  # the main job: 8 epochs x 156 steps, 5,000 test images
 
 
 def test_warnings_where_the_numbers_say_a_run_cannot_work():
     cfg = load_config(str(Path(TINY).parent / "shapes.yaml"))
-    few, small = train_script.schedule_warnings(cfg, 11, 30)  # 1,500 images in batches of 128: 88 steps; 30 test images
+    few, small = training.schedule_warnings(cfg, 11, 30)  # 1,500 images in batches of 128: 88 steps; 30 test images
     assert few.startswith("88 optimizer steps (8 epochs x 11) are far too few") and "--epochs 110" in few
     assert small.startswith("the test split has 30 images: each is 3.3 points of top-1")
 
 
 def test_undertrained_hint():
     rows = [{"test_top1": 0.50}, {"test_top1": 0.58}]
-    assert "rose 8.0 points in the last epoch" in train_script.undertrained_hint(rows, 10, 7)
-    assert "--epochs 14" in train_script.undertrained_hint(rows, 10, 7)
-    assert "--set train.budget_min=30" in train_script.undertrained_hint(rows, 10, 7, budget_min=15)  # a budget decided the epochs
-    assert "near chance" in train_script.undertrained_hint([{"test_top1": 0.12}], 10, 1)
-    assert train_script.undertrained_hint([{"test_top1": 0.90}, {"test_top1": 0.905}], 10, 7) is None
+    assert "rose 8.0 points in the last epoch" in training.undertrained_hint(rows, 10, 7)
+    assert "--epochs 14" in training.undertrained_hint(rows, 10, 7)
+    assert "--set train.budget_min=30" in training.undertrained_hint(rows, 10, 7, budget_min=15)  # a budget decided the epochs
+    assert "near chance" in training.undertrained_hint([{"test_top1": 0.12}], 10, 1)
+    assert training.undertrained_hint([{"test_top1": 0.90}, {"test_top1": 0.905}], 10, 7) is None
     # A climb that the last epoch's dip hides (38.05% after 39.06%) is read from the trend, with the command to go on.
     climb = [{"train_acc": a, "test_top1": t} for a, t in ((0.20, 0.21), (0.27, 0.30), (0.33, 0.35), (0.37, 0.3906), (0.40, 0.3805))]
-    hint = train_script.undertrained_hint(climb, 10, 8, run=Path("runs/r"))
+    hint = training.undertrained_hint(climb, 10, 8, run=Path("runs/r"))
     assert "over the last 3 epochs (their trend): the run stopped while still learning" in hint
     assert hint.endswith("python train.py --config runs/r/config.yaml --epochs 16 --name r-longer")
     flat = [{"train_acc": 0.95, "test_top1": t} for t in (0.90, 0.91, 0.90, 0.905, 0.90)]
-    assert train_script.undertrained_hint(flat, 10, 8) is None
+    assert training.undertrained_hint(flat, 10, 8) is None
 
 
 def test_the_main_jobs_recipe_finds_its_measured_reference():
     """The main job's last lines compare with pos_embed=none as measured (vitpe/reference_runs.json): a config key added
     since then takes its default there, so the recipe still matches."""
-    assert train_script.reference_results(load_config(str(Path(TINY).parent / "shapes.yaml"))) is not None
+    assert training.reference_results(load_config(str(Path(TINY).parent / "shapes.yaml"))) is not None
 
 
 def test_a_schedule_sized_by_work_on_data_the_recipe_was_not_written_for():
     recipe = load_config(str(Path(TINY).parent / "shapes.yaml"))  # 8 epochs of 156 steps on shapes' 20,000 images
-    assert train_script.recipe_work(recipe)[:2] == (1248, 0.3 * 156)
-    folder = train_script.apply_overrides(recipe, ["data.name=imagefolder:x"])
-    line = train_script.work_schedule(recipe, folder, ["data.name=imagefolder:x"], 11, 1500)
+    assert training.recipe_work(recipe)[:2] == (1248, 0.3 * 156)
+    folder = training.apply_overrides(recipe, ["data.name=imagefolder:x"])
+    line = training.work_schedule(recipe, folder, ["data.name=imagefolder:x"], 11, 1500)
     assert folder.train.epochs == 114 and folder.train.warmup_epochs == round(0.3 * 156 / 11, 3)
     assert line.startswith("schedule sized by work: the recipe was written for shapes (8 epochs = 1,248 optimizer steps); "
                            "1,500 training images make 11 steps an epoch, so 114 epochs (1,254 steps")
     for chosen in (["train.epochs=5"], ["train.budget_min=3"]):  # the user's choice stands
-        cfg = train_script.apply_overrides(recipe, ["data.name=imagefolder:x", *chosen])
-        assert train_script.work_schedule(recipe, cfg, ["data.name=imagefolder:x", *chosen], 11, 1500) is None
-    assert train_script.work_schedule(recipe, recipe, [], 156, 20000) is None  # the recipe's own data
-    steps = train_script.apply_overrides(recipe, ["data.name=imagefolder:x", "train.steps=2000", "train.warmup_steps=100"])
-    line = train_script.work_schedule(recipe, steps, ["data.name=imagefolder:x", "train.steps=2000", "train.warmup_steps=100"], 23, 3000)
+        cfg = training.apply_overrides(recipe, ["data.name=imagefolder:x", *chosen])
+        assert training.work_schedule(recipe, cfg, ["data.name=imagefolder:x", *chosen], 11, 1500) is None
+    assert training.work_schedule(recipe, recipe, [], 156, 20000) is None  # the recipe's own data
+    steps = training.apply_overrides(recipe, ["data.name=imagefolder:x", "train.steps=2000", "train.warmup_steps=100"])
+    line = training.work_schedule(recipe, steps, ["data.name=imagefolder:x", "train.steps=2000", "train.warmup_steps=100"], 23, 3000)
     assert steps.train.epochs == 87 and steps.train.warmup_epochs == round(100 / 23, 3) and line.startswith("schedule sized by work: train.steps=2,000;")
-    with pytest.raises(train_script.ConfigError, match="both decide the epochs"):
-        train_script.apply_overrides(recipe, ["train.steps=2000", "train.budget_min=3"])
+    with pytest.raises(training.ConfigError, match="both decide the epochs"):
+        training.apply_overrides(recipe, ["train.steps=2000", "train.budget_min=3"])
 
 
 def test_the_last_lines_say_what_position_bought_and_compare_with_the_measured_none(tmp_path):
@@ -97,27 +97,27 @@ def test_the_last_lines_say_what_position_bought_and_compare_with_the_measured_n
     ds = vitpe.data.load_dataset("shapes", train_size=1, test_size=1)
     per = [0.99] * 5 + [0.90, 0.92, 0.94, 0.96] + [0.99]
     row = {"test_top1": 0.95, "test_per_class_top1": per}
-    lines = train_script.learned_lines(row, ds, cfg)
+    lines = training.learned_lines(row, ds, cfg)
     assert len(lines) == 1 and lines[0].startswith("learned: 93.0% on the 4 classes only position tells apart (circle above square")
     assert "chance on them: 25%)" in lines[0] and "99.0% on the other 6" in lines[0]
     # The recipe's measured results are found by recipe: the PE and the seed are not part of it, the epochs are.
     other = load_config(str(ROOT / "configs" / "shapes.yaml"))
     other.model.pos_embed, other.train.seed = "none", 3
-    ref = {"measured": "2026-11-23, test CPU", "recipe": train_script.recipe_of(other),
+    ref = {"measured": "2026-11-23, test CPU", "recipe": training.recipe_of(other),
            "results": {"none": {"seeds": [0, 1], "top1": [0.70, 0.72], "position_top1": [0.26, 0.24]}}}
     path = tmp_path / "reference.json"
     path.write_text(json.dumps([ref]))
-    found = train_script.reference_results(cfg, path)
+    found = training.reference_results(cfg, path)
     assert found == ref
-    lines = train_script.learned_lines(row, ds, cfg, found)
+    lines = training.learned_lines(row, ds, cfg, found)
     assert lines[1] == ("without a PE (pos_embed=none) the same recipe reached 71.0% (25.0% on those 4 classes; measured 2026-11-23, "
                         "test CPU, seeds [0, 1]): sincos2d adds +24.0 points")
     other.train.epochs = 99
-    assert train_script.reference_results(other, path) is None and train_script.reference_results(cfg, tmp_path / "missing.json") is None
+    assert training.reference_results(other, path) is None and training.reference_results(cfg, tmp_path / "missing.json") is None
     # Data without position-only classes, or a run without a PE: no comparison with itself.
-    assert train_script.learned_lines(row, dataclasses.replace(ds, position_classes=()), cfg, found) == []
+    assert training.learned_lines(row, dataclasses.replace(ds, position_classes=()), cfg, found) == []
     cfg.model.pos_embed = "none"
-    assert len(train_script.learned_lines(row, ds, cfg, found)) == 1
+    assert len(training.learned_lines(row, ds, cfg, found)) == 1
 
 
 def test_heartbeat_prints_progress_lines_with_the_time_left():
@@ -161,7 +161,7 @@ def test_predict_prints_the_top_classes_of_image_files(tmp_path, capsys):
     from vitpe.data import load_dataset
 
     out = tmp_path / "runs"
-    assert train_script.main(["--config", TINY, "--out-dir", str(out), "--name", "p", "--epochs", "1"]) == 0
+    assert train_cmd.main(["--config", TINY, "--out-dir", str(out), "--name", "p", "--epochs", "1"]) == 0
     ds = load_dataset("shapes", train_size=64, test_size=8)
     x, _ = ds.split(False, (16, 16))
     paths = []
@@ -189,13 +189,15 @@ def test_predict_prints_the_top_classes_of_image_files(tmp_path, capsys):
 
 
 def test_two_evaluations_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
-    from vitpe import evaluation as eval_script
+    import time
+
+    from vitpe.cli import eval as eval_cmd
 
     out = tmp_path / "runs"
-    assert train_script.main(["--config", TINY, "--out-dir", str(out), "--name", "e", "--epochs", "1"]) == 0
-    monkeypatch.setattr(eval_script.time, "strftime", lambda fmt: "20261122-120000")  # the same second, twice
+    assert train_cmd.main(["--config", TINY, "--out-dir", str(out), "--name", "e", "--epochs", "1"]) == 0
+    monkeypatch.setattr(time, "strftime", lambda fmt: "20261122-120000")  # the same second, twice
     for _ in range(2):
-        assert eval_script.main([str(out / "e"), "--resolutions", "16"]) == 0
+        assert eval_cmd.main([str(out / "e"), "--resolutions", "16"]) == 0
     assert sorted(p.name for p in (out / "e").glob("eval-*")) == ["eval-20261122-120000", "eval-20261122-120000-2"]
 
 
@@ -211,7 +213,7 @@ def test_the_folder_recipe_trains_a_folder_by_steps_and_the_study_table_reads_it
             arr[j % 20, : 20 - j // 20] = 255
             Image.fromarray(arr).save(tmp_path / "imgs" / c / f"{j}.png")
     folder_yaml = str(Path(TINY).parent / "folder.yaml")
-    assert train_script.main(["--config", folder_yaml, "--data", f"imagefolder:{tmp_path / 'imgs'}", "--set", "train.steps=12",
+    assert train_cmd.main(["--config", folder_yaml, "--data", f"imagefolder:{tmp_path / 'imgs'}", "--set", "train.steps=12",
                               "--set", "train.warmup_steps=2", "--set", "train.batch_size=8", "--set", "model.depth=1",
                               "--out-dir", str(tmp_path / "runs"), "--name", "f"]) == 0
     assert ("schedule sized by work: train.steps=12; 36 training images make 4 steps an epoch, so 3 epochs (12 steps, "

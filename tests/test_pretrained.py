@@ -82,12 +82,11 @@ def test_an_exported_run_carries_its_preprocessing_and_classes_through_timms_dat
 
     from vitpe import training
     from vitpe.checkpoint import checkpoint_config, model_from_checkpoint
-    from vitpe.engine import evaluate
-    from vitpe.evaluation import dataset_of
-    from vitpe.export import main as export_main
+    from vitpe.cli.export import main as export_main
+    from vitpe.evaluation import dataset_of, evaluate
 
     tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-    assert training.main(["--config", tiny, "--out-dir", str(tmp_path), "--name", "run", "--epochs", "2"]) == 0
+    assert training.train(tiny, [f"out_dir={tmp_path}", "name=run", "train.epochs=2"]) == 0
     assert export_main([str(tmp_path / "run"), "--hf", str(tmp_path / "hf")]) == 0
     model, state = model_from_checkpoint(tmp_path / "run")
     data = state["data"]
@@ -108,7 +107,7 @@ def test_an_exported_run_carries_its_preprocessing_and_classes_through_timms_dat
     # predict takes the exported folder as it takes the run: the same classes and probabilities
     from PIL import Image
 
-    from vitpe.predict import main as predict_main
+    from vitpe.cli.predict import main as predict_main
 
     files = []
     for i in range(3):
@@ -121,17 +120,17 @@ def test_an_exported_run_carries_its_preprocessing_and_classes_through_timms_dat
         outputs.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
     assert outputs[0] == outputs[1] and outputs[0][0]["top"][0]["class"] in data["classes"]
     # eval.py takes it too: the data its run trained on (recorded in config.json), the same top-1 at every size
-    from vitpe import evaluation as eval_script
+    from vitpe.cli import eval as eval_cmd
 
     tables = []
     for source, out in ((tmp_path / "run", "ev-run"), (tmp_path / "hf", "ev-hf")):
-        assert eval_script.main([str(source), "--resolutions", "16", "24", "--diagnostics", "0", "--out", str(tmp_path / out)]) == 0
+        assert eval_cmd.main([str(source), "--resolutions", "16", "24", "--diagnostics", "0", "--out", str(tmp_path / out)]) == 0
         tables.append([(r["resolution"], r["top1"], r["n"]) for r in json.loads((tmp_path / out / "results.json").read_text())])
     assert tables[0] == tables[1] and len(tables[0]) == 2
     assert config["vitpe_data"]["name"] == "shapes"
     mine = vitpe.save_pretrained(small(), tmp_path / "mine")  # a model of one's own: no data recorded, so eval asks for it
     with pytest.raises(ConfigError, match="does not record the data its model was trained on; give it: --data NAME"):
-        eval_script.main([str(mine), "--resolutions", "16"])
+        eval_cmd.main([str(mine), "--resolutions", "16"])
 
 
 def test_the_shipped_files_are_checked_and_readable(tmp_path):

@@ -16,9 +16,10 @@ import torch
 from PIL import Image
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from vitpe import evaluation as eval_script
-from vitpe import training as train_script
+from vitpe import evaluation, training
 from vitpe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from vitpe.cli import eval as eval_cmd
+from vitpe.cli import train as train_cmd
 from vitpe.config import ConfigError
 from vitpe.data import DataError, load_dataset
 from vitpe.runs import RunError, RunLock, create_run_dir, remove_stale
@@ -28,7 +29,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")  # 8 steps per epoch, 2 epochs
 
 
 def train(out, name, *extra):
-    return train_script.main(["--config", TINY, "--out-dir", str(out), "--name", name, *extra])
+    return train_cmd.main(["--config", TINY, "--out-dir", str(out), "--name", name, *extra])
 
 
 def same_weights(a, b):
@@ -80,21 +81,21 @@ def inf_gradient(opt):
 
 # ---- 2. a run stopped before its first checkpoint ---------------------------------------------------------
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_its_config(base, tmp_path, monkeypatch):
-    real = train_script.seed_step
+    real = training.seed_step
 
     def dies(*parts):
         if parts[1:] == (0, 2):
             raise SystemExit("killed")  # as a kill -9 would leave it: config.yaml, no checkpoint
         real(*parts)
 
-    monkeypatch.setattr(train_script, "seed_step", dies)
+    monkeypatch.setattr(training, "seed_step", dies)
     with pytest.raises(SystemExit):
         train(tmp_path, "early")
     monkeypatch.undo()
     assert not (tmp_path / "early" / "checkpoint.pt").exists() and (tmp_path / "early" / "config.yaml").is_file()
     with pytest.raises(RunError, match="already exists; continue it with --resume"):
         train(tmp_path, "early")
-    assert train_script.main(["--resume", str(tmp_path / "early")]) == 0
+    assert train_cmd.main(["--resume", str(tmp_path / "early")]) == 0
     assert same_weights(load_checkpoint(tmp_path / "early")["model"], load_checkpoint(base)["model"])
 
 
@@ -104,7 +105,7 @@ def test_a_kill_while_the_run_directory_is_made_leaves_no_run_without_its_config
     def killed(cfg, path):
         raise SystemExit("killed")  # inside the staging directory, before the rename
 
-    monkeypatch.setattr(train_script, "save_config", killed)
+    monkeypatch.setattr(training, "save_config", killed)
     with pytest.raises(SystemExit):
         train(tmp_path, "mid")
     monkeypatch.undo()
@@ -129,7 +130,7 @@ def test_a_kill_while_the_run_directory_is_made_leaves_no_run_without_its_config
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / ".lock").write_text("1")
     with pytest.raises(RunError, match="is empty .*remove it and start the run again"):
-        train_script.main(["--resume", str(tmp_path / "old")])
+        train_cmd.main(["--resume", str(tmp_path / "old")])
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -170,14 +171,14 @@ def test_sigterm_under_torchrun_saves_and_says_how_to_resume(tmp_path):
 # ---- 4. non-finite weights are never checkpointed ---------------------------------------------------------
 def test_an_inf_gradient_in_the_first_epoch_writes_no_checkpoint(tmp_path, hooks):
     hooks.at_update(8, pre=inf_gradient)  # the epoch's last step: its loss was still finite
-    with pytest.raises(train_script.TrainingError, match="no checkpoint was written yet; python train.py --resume"):
+    with pytest.raises(training.TrainingError, match="no checkpoint was written yet; python train.py --resume"):
         train(tmp_path, "inf")
     assert not (tmp_path / "inf" / "checkpoint.pt").exists()
 
 
 def test_an_inf_gradient_later_keeps_the_last_good_checkpoint_and_says_so(tmp_path, hooks):
     hooks.at_update(16, pre=inf_gradient)
-    with pytest.raises(train_script.TrainingError, match=r"the last good checkpoint \(after epoch 1\) is kept"):
+    with pytest.raises(training.TrainingError, match=r"the last good checkpoint \(after epoch 1\) is kept"):
         train(tmp_path, "inf")
     state = load_checkpoint(tmp_path / "inf")
     assert state["epoch"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
@@ -185,7 +186,7 @@ def test_an_inf_gradient_later_keeps_the_last_good_checkpoint_and_says_so(tmp_pa
 
 def test_ctrl_c_after_a_bad_update_does_not_save_it(tmp_path, hooks):
     hooks.at_update(3, pre=inf_gradient, post=lambda opt: os.kill(os.getpid(), signal.SIGINT))
-    with pytest.raises(train_script.TrainingError, match="became non-finite .* no checkpoint was written yet"):
+    with pytest.raises(training.TrainingError, match="became non-finite .* no checkpoint was written yet"):
         train(tmp_path, "bad")
     assert not (tmp_path / "bad" / "checkpoint.pt").exists()
 
@@ -215,9 +216,9 @@ def test_a_flipped_byte_in_the_weights_is_caught(base, tmp_path):
     with pytest.raises(CheckpointError, match="do not match the checksum"):
         load_checkpoint(flipped)
     with pytest.raises(CheckpointError, match="do not match the checksum"):
-        eval_script.main([str(flipped), "--resolutions", "16", "--out", str(tmp_path / "e")])
+        eval_cmd.main([str(flipped), "--resolutions", "16", "--out", str(tmp_path / "e")])
     assert not load_checkpoint(flipped, verify=False)["model"]["head.weight"].equal(load_checkpoint(base)["model"]["head.weight"])
-    assert eval_script.main([str(flipped), "--resolutions", "16", "--no-verify", "--out", str(tmp_path / "e2")]) == 0
+    assert eval_cmd.main([str(flipped), "--resolutions", "16", "--no-verify", "--out", str(tmp_path / "e2")]) == 0
 
 
 # ---- 7. 16-bit images ----------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ def test_16_bit_grayscale_pngs_are_scaled_not_clipped(tmp_path):
 def test_scientific_notation_and_numeric_names(tmp_path):
     cfg = tmp_path / "sci.yaml"
     cfg.write_text(Path(TINY).read_text().replace("lr: 0.001", "lr: 5e-4"))
-    assert train_script.main(["--config", str(cfg), "--out-dir", str(tmp_path), "--name", "2024", "--epochs", "1",
+    assert train_cmd.main(["--config", str(cfg), "--out-dir", str(tmp_path), "--name", "2024", "--epochs", "1",
                               "--set", "train.min_lr=1e-6"]) == 0
     saved = load_checkpoint(tmp_path / "2024")["config"]
     assert saved["train"]["lr"] == 5e-4 and saved["train"]["min_lr"] == 1e-6 and saved["name"] == "2024"
@@ -263,18 +264,18 @@ def test_scientific_notation_and_numeric_names(tmp_path):
 
 # ---- 9. metrics survive an interrupt during evaluation ----------------------------------------------------------
 def test_ctrl_c_during_evaluation_keeps_that_epochs_metrics(base, tmp_path, monkeypatch):
-    real = train_script.evaluate
+    real = training.evaluate
 
     def interrupted(*a, **k):
         os.kill(os.getpid(), signal.SIGINT)
         return real(*a, **k)
 
-    monkeypatch.setattr(train_script, "evaluate", interrupted)
+    monkeypatch.setattr(training, "evaluate", interrupted)
     assert train(tmp_path, "ev") == 130
     monkeypatch.undo()
     rows = [json.loads(line) for line in (tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [1] and load_checkpoint(tmp_path / "ev")["epoch"] == 1
-    assert train_script.main(["--resume", str(tmp_path / "ev")]) == 0
+    assert train_cmd.main(["--resume", str(tmp_path / "ev")]) == 0
     assert same_weights(load_checkpoint(tmp_path / "ev")["model"], load_checkpoint(base)["model"])
 
 
@@ -282,14 +283,14 @@ def test_ctrl_c_during_evaluation_keeps_that_epochs_metrics(base, tmp_path, monk
 def test_a_run_in_use_is_refused_naming_its_process(base):
     with RunLock(base):
         with pytest.raises(RunError, match=f"is in use by process {os.getpid()}"):
-            train_script.main(["--resume", str(base)])
+            train_cmd.main(["--resume", str(base)])
     code = f"from vitpe.runs import RunLock; import time\nwith RunLock({str(base)!r}):\n    print('locked', flush=True); time.sleep(60)"
     child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "locked"
         with pytest.raises(RunError, match=f"is in use by process {child.pid}"):
-            train_script.main(["--resume", str(base)])
+            train_cmd.main(["--resume", str(base)])
     finally:
         child.kill()
         child.wait()
@@ -301,12 +302,12 @@ def test_a_run_in_use_is_refused_naming_its_process(base):
 def test_a_hung_rank_stops_the_run_with_its_name_within_the_timeout(tmp_path):
     port = free_port()
     script = (
-        "import os, sys, time\nimport vitpe.training as train\nreal = train.seed_step\n"
+        "import os, sys, time\nimport vitpe.training as train\nfrom vitpe.cli.train import cli\nreal = train.seed_step\n"
         "def seed_step(*p):\n"
         "    if os.environ['RANK'] == '1' and p[1:] == (0, 2):\n        time.sleep(60)\n"
         "    real(*p)\n"
         "train.seed_step = seed_step\n"
-        "sys.exit(train.cli(sys.argv[1:]))\n"
+        "sys.exit(cli(sys.argv[1:]))\n"
     )
     procs = []
     for rank in (0, 1):
@@ -348,22 +349,22 @@ def test_out_of_range_values_are_one_clear_line(tmp_path, override, message):
 def test_other_bad_inputs_are_one_clear_line(base, tmp_path, monkeypatch, capsys):
     for bad in (["--batch-size", "0"], ["--batch-size", "-1"], ["--test-size", "-3"]):
         with pytest.raises(SystemExit):
-            eval_script.main([str(base), *bad])
+            eval_cmd.main([str(base), *bad])
         assert "must be at least 1" in capsys.readouterr().err
     state = load_checkpoint(base)
     del state["optimizer"]
     (tmp_path / "noopt").mkdir()
     save_checkpoint({k: v for k, v in state.items() if k not in ("format", "checksum")}, tmp_path / "noopt" / "checkpoint.pt")
     with pytest.raises(CheckpointError, match="has no 'optimizer' state: it can be evaluated"):
-        train_script.main(["--resume", str(tmp_path / "noopt")])
+        train_cmd.main(["--resume", str(tmp_path / "noopt")])
     a_file = tmp_path / "afile"
     a_file.write_text("")
     with pytest.raises(RunError, match="is a file, not a directory"):
-        train_script.main(["--config", TINY, "--out-dir", str(a_file)])
+        train_cmd.main(["--config", TINY, "--out-dir", str(a_file)])
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("model:\n  depth: [1, 2\n")
     with pytest.raises(ConfigError, match=r"not valid YAML at line \d+, column \d+"):
-        train_script.main(["--config", str(bad_yaml)])
+        train_cmd.main(["--config", str(bad_yaml)])
     big = tmp_path / "big"
     for split in ("train", "test"):
         for c in ("a", "b"):
@@ -378,14 +379,14 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(base, tmp_path,
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "full" / "checkpoint.pt"))
 
-    monkeypatch.setattr(train_script, "save_checkpoint", full)
+    monkeypatch.setattr(training, "save_checkpoint", full)
     monkeypatch.setattr(sys, "argv", ["train.py", "--config", TINY, "--out-dir", str(tmp_path), "--name", "full"])
-    assert train_script.cli() == 1
+    assert train_cmd.cli() == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: No space left on device") and len(err.splitlines()) == 1
-    monkeypatch.setattr(eval_script, "plot", full)
+    monkeypatch.setattr(evaluation, "plot_accuracy", full)
     monkeypatch.setattr(sys, "argv", ["eval.py", str(base), "--resolutions", "16", "--out", str(tmp_path / "ev")])
-    assert eval_script.cli() == 1
+    assert eval_cmd.cli() == 1
     assert "No space left on device" in capsys.readouterr().err
     # the finished rows stay, each file whole (written beside, then renamed); no temporary file is left
     assert [r["resolution"] for r in json.loads((tmp_path / "ev" / "results.json").read_text())] == ["16"]
@@ -417,18 +418,17 @@ def test_a_study_reuses_a_run_only_when_its_config_is_the_one_asked_for():
 
 
 def test_a_study_run_killed_before_its_first_checkpoint_is_resumed_and_one_from_another_recipe_refused(tmp_path, capsys):
-    from studykit import train_or_reuse
-
+    from benchmarks.studykit import TrainSpec, train_or_reuse
     from vitpe.config import apply_overrides, load_config, save_config
 
     run = tmp_path / "study-row-seed0"
     run.mkdir()  # what a kill in the first epoch leaves: the directory and its config, no checkpoint
     save_config(apply_overrides(load_config(TINY), [f"name={run.name}", f"out_dir={tmp_path}"]), run / "config.yaml")
-    assert train_or_reuse(run, ["--config", TINY], "row") == run
+    assert train_or_reuse(run, TrainSpec(TINY), "row") == run
     assert "resuming" in capsys.readouterr().out and load_checkpoint(run)["epoch"] == 2
-    assert train_or_reuse(run, ["--config", TINY], "row") == run and "reusing finished run" in capsys.readouterr().out
+    assert train_or_reuse(run, TrainSpec(TINY), "row") == run and "reusing finished run" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"another config than this study asks for \(model.pos_embed: 'sincos2d' -> 'rope_axial'\)"):
-        train_or_reuse(run, ["--config", TINY, "--pe", "rope_axial"], "row")
+        train_or_reuse(run, TrainSpec(TINY, ("model.pos_embed=rope_axial",)), "row")
 
 
 @pytest.mark.parametrize("rc, message", [(143, "stopped by SIGTERM: run the same command again to resume it"),
@@ -437,11 +437,11 @@ def test_a_study_run_killed_before_its_first_checkpoint_is_resumed_and_one_from_
 def test_a_study_run_stopped_by_a_signal_says_it_resumes(tmp_path, monkeypatch, rc, message):
     """A study stopped with SIGTERM (train.py saved a checkpoint and returned 128 + 15) says how to go on, not that
     training failed; a real failure still reports its exit code."""
-    import studykit
+    from benchmarks import studykit
 
-    monkeypatch.setattr(studykit, "train_main", lambda argv: rc)
+    monkeypatch.setattr(studykit, "train", lambda *args, **kwargs: rc)
     with pytest.raises(SystemExit, match=message):
-        studykit.train_or_reuse(tmp_path / "study-row-seed0", ["--config", TINY], "row")
+        studykit.train_or_reuse(tmp_path / "study-row-seed0", studykit.TrainSpec(TINY), "row")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -451,7 +451,7 @@ def test_a_sweep_stopped_by_a_signal_at_a_large_size_keeps_its_finished_rows_wit
     in pieces between which Python handles signals; once a single call lasted minutes), writes the finished row with its
     summary and exits 128 + the signal. Stopped before any size finished, it leaves no empty folder."""
     out = tmp_path / "ev"
-    cmd = [sys.executable, "-m", "vitpe.evaluation", str(base), "--resolutions", "16", "512", "--out", str(out)]
+    cmd = [sys.executable, "-m", "vitpe", "eval", str(base), "--resolutions", "16", "512", "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -472,7 +472,7 @@ def test_a_sweep_stopped_by_a_signal_at_a_large_size_keeps_its_finished_rows_wit
     assert [r["resolution"] for r in json.loads((out / "results.json").read_text())] == ["16"]
     assert (out / "summary.json").exists() and not list(out.glob(".*.tmp"))
     # stopped before any size finished: nothing written, and no eval-* folder left in the run
-    proc = subprocess.Popen([sys.executable, "-m", "vitpe.evaluation", str(base), "--resolutions", "512"],
+    proc = subprocess.Popen([sys.executable, "-m", "vitpe", "eval", str(base), "--resolutions", "512"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(8)
     proc.send_signal(signum)
@@ -517,7 +517,7 @@ print(json.dumps(out))
 _MEASURE_INFERENCE = r"""
 import gc, json, torch, vitpe, onnxruntime
 from vitpe.engine import forward_bytes
-from vitpe.export import export_onnx, onnx_refusal
+from vitpe.onnx import export_onnx, onnx_refusal
 torch.set_num_threads(2)
 
 def rss(field):

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import vitpe
-from vitpe import evaluation as eval_script
-from vitpe import training as train_script
 from vitpe.checkpoint import load_checkpoint
+from vitpe.cli import eval as eval_cmd
+from vitpe.cli import train as train_cmd
 from vitpe.config import ConfigError
 from vitpe.patch import resize_matrix, resize_patch_embed
 
@@ -124,7 +124,7 @@ def test_multi_resolution_training_draws_sizes_per_batch(tmp_path, monkeypatch):
         return real(self, x, *a, **k)
 
     monkeypatch.setattr(vitpe.VisionTransformer, "forward", spy)
-    rc = train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "mr", "--set", "train.resolution_range=[8, 24]",
+    rc = train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "mr", "--set", "train.resolution_range=[8, 24]",
                             "--set", "model.coord_aug={shift: 1.0}", "--pe", "rope_mixed"])
     assert rc == 0 and set(seen) <= {8, 12, 16, 20, 24} and len(set(seen)) >= 3
     cfg = load_checkpoint(tmp_path / "mr")["config"]
@@ -133,40 +133,40 @@ def test_multi_resolution_training_draws_sizes_per_batch(tmp_path, monkeypatch):
 
 def test_multi_resolution_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="multiples of model.patch_size=4"):
-        train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--set", "train.resolutions=[16, 18]"])
+        train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--set", "train.resolutions=[16, 18]"])
     with pytest.raises(ConfigError, match="model.coord_aug.zoom is not a coord_aug key"):
-        train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--set", "model.coord_aug.zoom=2"])
+        train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--set", "model.coord_aug.zoom=2"])
 
 
 def test_eval_patch_route(tmp_path):
-    assert train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "r", "--epochs", "1"]) == 0
+    assert train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "r", "--epochs", "1"]) == 0
     out = tmp_path / "ev"
-    assert eval_script.main([str(tmp_path / "r"), "--resolutions", "16", "32", "--route", "both", "--out", str(out)]) == 0
+    assert eval_cmd.main([str(tmp_path / "r"), "--resolutions", "16", "32", "--route", "both", "--out", str(out)]) == 0
     rows = json.loads((out / "results.json").read_text())
     assert {(r["route"], r["resolution"]) for r in rows} == {("coords", "16"), ("coords", "32"), ("patch", "16"), ("patch", "32")}
     same = [r["top1"] for r in rows if r["resolution"] == "16"]
     assert same[0] == same[1]  # at the training size both routes are the same model
     with pytest.raises(ConfigError, match="keeps the 4x4 token grid"):
-        eval_script.main([str(tmp_path / "r"), "--resolutions", "18", "--route", "patch", "--out", str(tmp_path / "x")])
+        eval_cmd.main([str(tmp_path / "r"), "--resolutions", "18", "--route", "patch", "--out", str(tmp_path / "x")])
 
 
 def test_eval_resize_route_is_the_baseline_a_user_has(tmp_path, capsys):
     """--route resize resizes each image back to the model's own size: at the training size it is the coordinate route
     itself, at any other (not a multiple of the patch too) a row of its own; a multi-size model says what it resizes to."""
-    assert train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "r", "--epochs", "1"]) == 0
+    assert train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "r", "--epochs", "1"]) == 0
     out = tmp_path / "ev"
-    assert eval_script.main([str(tmp_path / "r"), "--resolutions", "16", "32", "--route", "all", "--diagnostics", "0",
+    assert eval_cmd.main([str(tmp_path / "r"), "--resolutions", "16", "32", "--route", "all", "--diagnostics", "0",
                              "--test-size", "64", "--out", str(out)]) == 0
     rows = json.loads((out / "results.json").read_text())
     assert {(r["route"], r["resolution"]) for r in rows} == {(route, size) for route in ("coords", "patch", "resize") for size in ("16", "32")}
     at = {(r["route"], r["resolution"]): r for r in rows}
     assert at[("resize", "16")]["top1"] == at[("coords", "16")]["top1"] and at[("resize", "32")]["tokens_per_image"] == 16
     assert "(image resized to 16)" in at[("resize", "32")]["label"]
-    assert eval_script.main([str(tmp_path / "r"), "--resolutions", "18", "--route", "resize", "--diagnostics", "0",
+    assert eval_cmd.main([str(tmp_path / "r"), "--resolutions", "18", "--route", "resize", "--diagnostics", "0",
                              "--test-size", "16", "--out", str(tmp_path / "odd")]) == 0  # any size: it is resized anyway
-    assert train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "m", "--epochs", "1",
+    assert train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "m", "--epochs", "1",
                               "--set", "train.resolutions=[16, 24]"]) == 0
     capsys.readouterr()
-    assert eval_script.main([str(tmp_path / "m"), "--resolutions", "32", "--route", "resize", "--diagnostics", "0",
+    assert eval_cmd.main([str(tmp_path / "m"), "--resolutions", "32", "--route", "resize", "--diagnostics", "0",
                              "--test-size", "16", "--out", str(tmp_path / "mm")]) == 0
     assert "--route resize resizes every image to 16x16" in capsys.readouterr().err

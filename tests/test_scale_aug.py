@@ -3,7 +3,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from vitpe import training as train_script
+from vitpe.cli import train as train_cmd
 from vitpe.config import ConfigError
 from vitpe.data import load_dataset
 from vitpe.data.augment import crop_boxes, crop_resize
@@ -48,7 +48,7 @@ def test_training_with_content_scale_augmentation(tmp_path, monkeypatch, extra):
     monkeypatch.setattr(ImageDataset, "images_at", lambda self, *a, **k: seen.append(a[3] if len(a) > 3 else None) or images_at(self, *a, **k))
     args = ["--config", TINY, "--out-dir", str(tmp_path), "--name", "r", "--epochs", "1", "--set", "data.crop_scale=[0.3, 1.0]",
             "--set", "model.coord_aug={shift: 1.0, rescale: 1.5}", *extra]
-    assert train_script.main(args) == 0
+    assert train_cmd.main(args) == 0
     boxes = [b for b in seen if b is not None]
     assert boxes and len(boxes) == len(seen) and all(((b[:, 2] * b[:, 3]) >= 0.3 - 1e-6).all() for b in boxes)
 
@@ -60,7 +60,7 @@ def test_training_with_content_scale_augmentation(tmp_path, monkeypatch, extra):
 ])
 def test_content_scale_augmentation_out_of_range_is_one_line(tmp_path, key, value, message):
     with pytest.raises(ConfigError, match=message):
-        train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--set", f"{key}={value}"])
+        train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--set", f"{key}={value}"])
 
 
 def test_gratings_render_each_pixel_as_the_average_of_the_scene():

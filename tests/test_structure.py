@@ -19,13 +19,25 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def is_door(node: ast.AST) -> bool:
+    """``if __name__ == "__main__":``: what a module does when it is run as the program (``python -m vitpe.predict``), a
+    copy of it apart from the imported one, so its imports are no arrows of the import graph."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.left, ast.Name)
+            and node.test.left.id == "__name__" and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.test.comparators))
+
+
+def without_doors(tree: ast.AST) -> ast.AST:
+    tree.body = [n for n in tree.body if not is_door(n)]
+    return tree
+
+
 def imports(path: Path, modules: Set[str]) -> Set[str]:
-    """The vitpe modules ``path`` imports anywhere in it (functions included): ``from .x import y`` names module
-    ``x.y`` where that is a module, else ``x``."""
+    """The vitpe modules ``path`` imports anywhere in it (functions included; its ``__main__`` door not): ``from .x
+    import y`` names module ``x.y`` where that is a module, else ``x``."""
     here = module_name(path)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(without_doors(ast.parse(path.read_text()))):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -92,7 +104,100 @@ def test_the_library_never_imports_the_study_side():
         assert not [n for n in names if n.split(".")[0] in ("benchmarks", "studykit", "tests", "conftest")], path
 
 
-CORE = ["vit.py", "evaluation.py", "training.py", "config.py", "engine.py", "pos_embed/registry.py", "pos_embed/base.py"]
+# The floors of the package, lowest first: a module imports only modules on its own floor or below (the same floor
+# without a circle), so that the core never depends on a wing and no library module on a command. docs/development.md
+# draws the same floors; a new module takes the floor of the wing it joins.
+FLOORS = [
+    ("core", ["vitpe.errors", "vitpe.suggest", "vitpe.layers", "vitpe.coords", "vitpe.patch", "vitpe.packing", "vitpe.pos_embed", "vitpe.vit"]),
+    ("data", ["vitpe.data"]),
+    ("runtime and records", ["vitpe.engine", "vitpe.config", "vitpe.runs", "vitpe.checkpoint"]),
+    ("bridges and pictures", ["vitpe.timm", "vitpe.finetune", "vitpe.viz"]),
+    ("loops and the package", ["vitpe.training", "vitpe.evaluation", "vitpe.onnx", "vitpe"]),
+    ("commands and their doors", ["vitpe.cli", "vitpe.__main__", "vitpe.viz.__main__", "vitpe.predict", "vitpe.export"]),
+]
+
+
+def floor_of(module: str) -> int:
+    """The floor of ``module``: that of the longest prefix listed (``vitpe.viz.__main__`` before ``vitpe.viz``)."""
+    best = max(((len(p), i) for i, (_, prefixes) in enumerate(FLOORS) for p in prefixes if module == p or module.startswith(p + ".")),
+               default=None)
+    assert best is not None, f"{module} is on no floor: give it one in FLOORS and docs/development.md"
+    return best[1]
+
+
+def test_every_module_imports_only_its_own_floor_or_below():
+    edges = graph()
+    assert floor_of("vitpe.viz.__main__") == 5 and floor_of("vitpe.viz.sweep") == 3 and floor_of("vitpe.pos_embed.rotary") == 0
+    upward = [f"{m} ({FLOORS[floor_of(m)][0]}) imports {d} ({FLOORS[floor_of(d)][0]})"
+              for m, deps in sorted(edges.items()) for d in sorted(deps) if floor_of(d) > floor_of(m)]
+    assert upward == []
+    # the check sees the arrows it must: vitpe viz reads a run's data through the evaluation module, which the
+    # pictures' floor could not import
+    assert "vitpe.evaluation" in edges["vitpe.cli.viz"] and floor_of("vitpe.evaluation") > floor_of("vitpe.viz.plots")
+
+
+def test_commands_share_one_size_parser_and_one_error_convention():
+    """Every command is a module of vitpe/cli with ``main`` (raises, for tests and callers) and ``cli`` (one line and an
+    exit code, through run_cli); no command parses a size itself, and nothing outside the wing builds a command line."""
+    import importlib
+
+    from vitpe.cli import COMMANDS
+    from vitpe.cli.common import parse_size
+
+    for name, (module, function, _) in COMMANDS.items():
+        if name == "configs":
+            continue
+        mod = importlib.import_module(module)
+        assert module.startswith("vitpe.cli.") and function == "cli" and callable(mod.main), module
+        assert "return run_cli(main, argv)" in (ROOT / (module.replace(".", "/") + ".py")).read_text(), module
+    for path in (PACKAGE / "cli").glob("*.py"):
+        assert path.name == "common.py" or 'partition("x")' not in path.read_text(), path
+    for path in PACKAGE.rglob("*.py"):
+        assert path.parts[-2] == "cli" or "ArgumentParser(" not in path.read_text(), f"{path}: a command line belongs in vitpe/cli"
+    assert parse_size("48") == (48, 48) and parse_size("32x48") == (32, 48)
+
+
+def attribute_uses(tree: ast.AST, alias: str) -> Set[str]:
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == alias}
+
+
+def test_benchmarks_and_tests_take_the_library_from_the_library():
+    """The studies import no command module; a test imports from a command only what that command exports (its
+    ``__all__``: ``main``, ``cli``, its parser), everything else from the library; nobody edits ``sys.path``."""
+    import importlib
+
+    commands = {f"vitpe.cli.{p.stem}" for p in (PACKAGE / "cli").glob("*.py") if p.stem not in ("__init__", "common")}
+    found = 0
+    for path in [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "tests").glob("*.py")]:
+        tree = ast.parse(path.read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ("insert", "append")
+                    and isinstance(n.value, ast.Attribute) and n.value.attr == "path" and getattr(n.value.value, "id", "") == "sys"], \
+            f"{path.name} edits sys.path"
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("vitpe.cli"):
+                continue
+            assert path.parent.name == "tests", f"{path.name} imports the command wing ({node.module}): use the library's names"
+            for a in node.names:
+                module = f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in commands else node.module
+                if module not in commands:
+                    continue
+                exported = set(importlib.import_module(module).__all__)
+                used = attribute_uses(tree, a.asname or a.name) if module != node.module else {a.name}
+                assert used <= exported, f"{path.name} takes {sorted(used - exported)} from the command {module}: take it from the library"
+                found += 1
+    assert found > 10  # the tests of the commands were seen
+
+
+def test_no_module_takes_another_modules_private_name():
+    """A name shared between vitpe's modules is public where it lives (timm's bridges once shared a private ``_unwrap``)."""
+    for path in PACKAGE.rglob("*.py"):
+        private = [a.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom)
+                   for a in n.names if a.name.startswith("_") and (n.level or (n.module or "").startswith("vitpe"))]
+        assert private == [], f"{path}: {private} are another module's own; make them public where they are shared"
+
+
+CORE = ["vit.py", "evaluation.py", "training.py", "config.py", "engine.py", "pos_embed/registry.py", "pos_embed/base.py", "cli/train.py",
+        "cli/eval.py"]
 
 
 def test_the_core_names_no_family():
@@ -159,7 +264,7 @@ def test_no_test_time_option_takes_a_value_that_gives_nan_logits():
 def test_a_new_family_with_a_test_time_option_is_one_class():
     """What a family file holds is enough: registered, it builds, combines with other mechanisms, trains a step, and
     its declared option is set by name (eval.py's --pe-option path) with its caches dropped."""
-    from vitpe.evaluation import parse_pe_options
+    from vitpe.cli.eval import parse_pe_options
     from vitpe.pos_embed import PEOption, PosEmbed, register_pos_embed, registry
 
     class Ramp(PosEmbed):
@@ -218,10 +323,24 @@ def test_the_model_owns_its_config_checks(override):
 def test_a_mistyped_family_is_refused_before_any_data_is_read(tmp_path, capsys):
     """--pe with a typo on a dataset whose files are missing: the family is the error (exit 2, one line, did you mean),
     not the missing data, and no run folder is made."""
-    from vitpe.training import cli
+    from vitpe.cli.train import cli
 
     assert cli(["--config", "tiny", "--data", "fashion_mnist", "--data-dir", str(tmp_path / "nothing"), "--pe", "rope_mixd",
                 "--out-dir", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: model.pos_embed='rope_mixd': unknown positional encoding") and "did you mean 'rope_mixed'?" in err
     assert len(err.splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
+def test_every_study_runs_as_a_module_from_the_root():
+    """``python -m benchmarks.NAME`` is how a study runs (docs/development.md): each imports its kit as a package, with
+    no path of its own, from a fresh interpreter in the repository's root."""
+    import subprocess
+    import sys
+
+    studies = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
+    code = "import importlib\nfor n in %r:\n    importlib.import_module('benchmarks.' + n)\n" % studies
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-m", "benchmarks.speed", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0 and "usage:" in run.stdout, run.stderr[-2000:]

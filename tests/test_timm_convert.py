@@ -135,7 +135,7 @@ def test_a_converted_model_takes_vitpes_controls_at_new_sizes():
 
 
 def test_timm_rope_pairs_become_vitpes_by_one_permutation_of_q_and_k():
-    from vitpe.timm_convert import _pair_perm
+    from vitpe.timm.convert import _pair_perm
 
     for half in (True, False):
         for y_first in (True, False):

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vitpe import evaluation as eval_script
-from vitpe import training as train_script
+from vitpe import evaluation, training, viz
 from vitpe.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from vitpe.cli import eval as eval_cmd
+from vitpe.cli import train as train_cmd
 from vitpe.config import ConfigError, load_config
 from vitpe.runs import RunError
 
@@ -20,7 +21,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 
 def train(tmp_path, name, *extra):
-    return train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", name, *extra])
+    return train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", name, *extra])
 
 
 def weights(run):
@@ -39,7 +40,7 @@ def assert_same_weights(a, b, exact=True):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
-    assert train_script.main(["--config", TINY, "--out-dir", str(out), "--name", "base"]) == 0
+    assert train_cmd.main(["--config", TINY, "--out-dir", str(out), "--name", "base"]) == 0
     return out / "base"
 
 
@@ -91,7 +92,7 @@ def test_a_signal_right_after_an_update_resumes_bit_exactly(tiny_run, tmp_path, 
     state = load_checkpoint(tmp_path / "cut")
     assert (state["epoch"], state["step"]) == divmod(at_update, 8)  # tiny: 8 steps per epoch; the update is in
     assert signal_module.getsignal(signal_module.SIGINT) is signal_module.default_int_handler  # handlers restored
-    assert train_script.main(["--resume", str(tmp_path / "cut")]) == 0
+    assert train_cmd.main(["--resume", str(tmp_path / "cut")]) == 0
     assert_same_weights(weights(tmp_path / "cut"), weights(tiny_run))
     rows = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     base = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
@@ -105,7 +106,7 @@ def test_a_signal_right_after_an_update_resumes_bit_exactly(tiny_run, tmp_path, 
 
 def test_resume_refuses_new_settings(tiny_run):
     with pytest.raises(ConfigError, match="continues with its saved config"):
-        train_script.main(["--resume", str(tiny_run), "--set", "train.lr=0.1"])
+        train_cmd.main(["--resume", str(tiny_run), "--set", "train.lr=0.1"])
 
 
 def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
@@ -134,8 +135,8 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(
             loss = super().forward(logits, target)
             return loss * float("nan") if calls["n"] > 8 else loss  # tiny: 8 steps per epoch
 
-    monkeypatch.setattr(train_script.torch.nn, "CrossEntropyLoss", NanAfterFirstEpoch)
-    with pytest.raises(train_script.TrainingError, match=r"loss became nan at epoch 2 .* the last good checkpoint \(after epoch 1\) is kept"):
+    monkeypatch.setattr(training.torch.nn, "CrossEntropyLoss", NanAfterFirstEpoch)
+    with pytest.raises(training.TrainingError, match=r"loss became nan at epoch 2 .* the last good checkpoint \(after epoch 1\) is kept"):
         train(tmp_path, "nan")
     assert load_checkpoint(tmp_path / "nan")["epoch"] == 1
 
@@ -156,13 +157,13 @@ def test_config_errors_are_one_clear_line(tmp_path):
     with pytest.raises(ConfigError, match="must be even"):
         train(tmp_path, "x", "--set", "data.mixup=0.8", "--set", "train.batch_size=31")
     with pytest.raises(ConfigError, match="config file nope.yaml not found"):
-        train_script.main(["--config", "nope.yaml"])
+        train_cmd.main(["--config", "nope.yaml"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  colour: red\n")
     with pytest.raises(ConfigError, match=r"unknown config key model\.colour; valid keys"):  # nothing near it: no guess
-        train_script.main(["--config", str(bad)])
+        train_cmd.main(["--config", str(bad)])
     with pytest.raises(ConfigError, match=r"unknown config key model\.colour"):
-        train_script.main(["--config", str(bad)])
+        train_cmd.main(["--config", str(bad)])
     assert not (tmp_path / "x").exists()
 
 
@@ -184,7 +185,7 @@ def test_cli_prints_one_line_and_exits_non_zero(tmp_path):
 # ---- eval.py -------------------------------------------------------------------------------------
 def test_eval_table_json_csv_and_plot(tiny_run, tmp_path, capsys):
     out = tmp_path / "ev"
-    assert eval_script.main([str(tiny_run), "--resolutions", "8", "16", "32", "16x24", "--coord-mode", "both", "--out", str(out)]) == 0
+    assert eval_cmd.main([str(tiny_run), "--resolutions", "8", "16", "32", "16x24", "--coord-mode", "both", "--out", str(out)]) == 0
     rows = json.loads((out / "results.json").read_text())
     assert len(rows) == 8 and {r["coord_mode"] for r in rows} == {"interpolate", "extrapolate"}
     assert all(0 <= r["top1"] <= r["top5"] <= 1 and r["n"] == 64 for r in rows)
@@ -217,41 +218,41 @@ def test_sweep_summary_peak_and_area_over_the_log_scale():
     row = lambda size, top1: {"label": "a", "run": "r", "data": "d", "route": "coords", "train_size": 16, "height": size,  # noqa: E731
                               "width": size, "resolution": str(size), "top1": top1}
     rows = [row(8, 0.2), row(16, 0.8), row(32, 0.4), {**row(16, 0.9), "width": 32, "resolution": "16x32"}]
-    (s,) = eval_script.sweep_summary(rows)
+    (s,) = evaluation.sweep_summary(rows)
     # log2 scales -1, 0, 1: trapezoids (0.2 + 0.8) / 2 + (0.8 + 0.4) / 2 over a span of 2; the non-square size is not a peak
     assert s["auc_log_scale"] == pytest.approx(0.55) and (s["best_resolution"], s["best_top1"]) == ("16", 0.8)
-    assert eval_script.sweep_summary([row(16, 0.7)])[0]["auc_log_scale"] == 0.7
-    assert eval_script.default_resolutions(28, 4) == [(16, 16), (20, 20), (28, 28), (40, 40), (56, 56), (20, 40), (40, 20)]
+    assert evaluation.sweep_summary([row(16, 0.7)])[0]["auc_log_scale"] == 0.7
+    assert evaluation.default_resolutions(28, 4) == [(16, 16), (20, 20), (28, 28), (40, 40), (56, 56), (20, 40), (40, 20)]
 
 
 def test_rows_and_plots_say_the_sizes_a_run_trained_at(tmp_path):
     """A run trained at several sizes (the main job: 16-48 px) is not 'trained at 32': its rows carry the range and the
     plot shades it; a run trained at one size has none."""
     root = Path(__file__).resolve().parents[1] / "configs"
-    assert eval_script.trained_span(load_config(str(root / "shapes.yaml"))) == "16-48"
-    assert eval_script.trained_span(load_config(str(root / "tiny.yaml"))) is None
+    assert evaluation.trained_span(load_config(str(root / "shapes.yaml"))) == "16-48"
+    assert evaluation.trained_span(load_config(str(root / "tiny.yaml"))) is None
     row = lambda size, top1, span: {"label": span or "one", "run": "r", "data": "d", "route": "coords", "train_size": 32,  # noqa: E731
                                     "train_sizes": span, "height": size, "width": size, "resolution": str(size), "top1": top1}
     rows = [row(s, t, span) for span in ("16-48", None) for s, t in ((16, 0.7), (32, 0.9), (64, 0.8))]
-    eval_script.plot(rows, tmp_path / "a.png", "t")
-    eval_script.plot([{k: v for k, v in r.items() if k != "train_sizes"} for r in rows], tmp_path / "b.png", "t")  # older rows
+    viz.plot_accuracy(rows, tmp_path / "a.png", "t")
+    viz.plot_accuracy([{k: v for k, v in r.items() if k != "train_sizes"} for r in rows], tmp_path / "b.png", "t")  # older rows
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "b.png").stat().st_size > 5000
 
 
 def test_eval_default_sizes_include_aspect_ratios_and_diagnostics_can_be_off(tiny_run, tmp_path):
-    assert eval_script.main([str(tiny_run), "--diagnostics", "0", "--test-size", "16", "--out", str(tmp_path / "e")]) == 0
+    assert eval_cmd.main([str(tiny_run), "--diagnostics", "0", "--test-size", "16", "--out", str(tmp_path / "e")]) == 0
     rows = json.loads((tmp_path / "e" / "results.json").read_text())
     assert [r["resolution"] for r in rows] == ["8", "12", "16", "24", "32", "12x24", "24x12"]
     assert not any("attn_distance" in r for r in rows) and not (tmp_path / "e" / "attention_vs_resolution.png").exists()
     # The patch route takes the default sizes that keep the trained 4x4 grid, and refuses a given one that does not.
-    assert eval_script.main([str(tiny_run), "--route", "patch", "--diagnostics", "0", "--test-size", "16", "--out", str(tmp_path / "p")]) == 0
+    assert eval_cmd.main([str(tiny_run), "--route", "patch", "--diagnostics", "0", "--test-size", "16", "--out", str(tmp_path / "p")]) == 0
     assert [r["resolution"] for r in json.loads((tmp_path / "p" / "results.json").read_text())] == ["8", "12", "16", "24", "32"]
     with pytest.raises(SystemExit):
-        eval_script.main([str(tiny_run), "--diagnostics", "-1"])
+        eval_cmd.main([str(tiny_run), "--diagnostics", "-1"])
 
 
 def test_eval_top1_matches_training_metrics_at_the_training_resolution(tiny_run, tmp_path):
-    assert eval_script.main([str(tiny_run), "--resolutions", "16", "--out", str(tmp_path / "e")]) == 0
+    assert eval_cmd.main([str(tiny_run), "--resolutions", "16", "--out", str(tmp_path / "e")]) == 0
     rows = json.loads((tmp_path / "e" / "results.json").read_text())
     last = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()][-1]
     # Other batch sizes sum in another order: the loss agrees to rounding, top-1 at most by one borderline image.
@@ -262,37 +263,37 @@ def test_eval_top1_matches_training_metrics_at_the_training_resolution(tiny_run,
 def test_eval_compares_several_runs_on_one_table(tiny_run, tmp_path):
     assert train(tmp_path, "rope", "--pe", "rope_axial", "--epochs", "1") == 0
     out = tmp_path / "cmp"
-    assert eval_script.main([str(tiny_run), str(tmp_path / "rope"), "--resolutions", "16", "32", "--out", str(out)]) == 0
+    assert eval_cmd.main([str(tiny_run), str(tmp_path / "rope"), "--resolutions", "16", "32", "--out", str(out)]) == 0
     rows = json.loads((out / "results.json").read_text())
     assert sorted({r["label"] for r in rows}) == ["rope_axial", "sincos2d"]
     # Each run is measured on its own test subset, not on the first run's.
     assert train(tmp_path, "small", "--epochs", "1", "--set", "data.test_size=32") == 0
     both = tmp_path / "both"
-    assert eval_script.main([str(tiny_run), str(tmp_path / "small"), "--resolutions", "16", "--out", str(both)]) == 0
+    assert eval_cmd.main([str(tiny_run), str(tmp_path / "small"), "--resolutions", "16", "--out", str(both)]) == 0
     assert [r["n"] for r in json.loads((both / "results.json").read_text())] == [64, 32]
 
 
 def test_eval_bad_inputs(tiny_run, tmp_path):
     with pytest.raises(ConfigError, match="resolution 18x18 is not a multiple of the patch size 4"):
-        eval_script.main([str(tiny_run), "--resolutions", "18", "--out", str(tmp_path / "a")])
+        eval_cmd.main([str(tiny_run), "--resolutions", "18", "--out", str(tmp_path / "a")])
     truncated = tmp_path / "trunc.pt"
     truncated.write_bytes((tiny_run / "checkpoint.pt").read_bytes()[:5000])
     with pytest.raises(CheckpointError, match="is truncated or corrupt"):
-        eval_script.main([str(truncated)])
+        eval_cmd.main([str(truncated)])
     foreign = tmp_path / "foreign.pt"
     torch.save({"state_dict": {"w": torch.ones(1)}}, foreign)
     with pytest.raises(CheckpointError, match="is not a vitpe checkpoint"):
-        eval_script.main([str(foreign)])
+        eval_cmd.main([str(foreign)])
     state = load_checkpoint(tiny_run)
     state["model"]["head.weight"] = torch.zeros(3, 32)
     mismatched = tmp_path / "mismatch.pt"
     save_checkpoint({k: v for k, v in state.items() if k != "format"}, mismatched)
     with pytest.raises(CheckpointError, match=r"does not fit this model: 1 with other shapes \(e\.g\. head\.weight \(3, 32\) vs \(10, 32\)\)"):
-        eval_script.main([str(mismatched)])
+        eval_cmd.main([str(mismatched)])
     with pytest.raises(CheckpointError, match="does not exist"):
-        eval_script.main([str(tmp_path / "missing.pt")])
+        eval_cmd.main([str(tmp_path / "missing.pt")])
     with pytest.raises(CheckpointError, match="no checkpoint.pt in run directory"):
-        eval_script.main([str(tmp_path)])
+        eval_cmd.main([str(tmp_path)])
 
 
 # ---- torchrun --------------------------------------------------------------------------------------
@@ -313,7 +314,7 @@ def test_full_recipe_mixup_cutmix_ema_trivialaugment(tmp_path):
     state = load_checkpoint(tmp_path / "recipe")
     assert state["ema"] is not None and state["ema"].keys() == state["model"].keys()
     assert any(not torch.equal(state["ema"][k], state["model"][k]) for k in state["model"])  # EMA trails the weights
-    assert eval_script.main([str(tmp_path / "recipe"), "--resolutions", "16", "--out", str(tmp_path / "e")]) == 0
+    assert eval_cmd.main([str(tmp_path / "recipe"), "--resolutions", "16", "--out", str(tmp_path / "e")]) == 0
 
 
 def test_token_dropping_and_packed_mixed_size_training_run_and_resume(tmp_path):
@@ -331,7 +332,7 @@ def test_token_dropping_and_packed_mixed_size_training_run_and_resume(tmp_path):
         assert train(tmp_path, "cut", *mixed) == 128 + signal_module.SIGINT
     finally:
         handle.remove()
-    assert train_script.main(["--resume", str(tmp_path / "cut")]) == 0
+    assert train_cmd.main(["--resume", str(tmp_path / "cut")]) == 0
     assert_same_weights(weights(tmp_path / "cut"), weights(tmp_path / "pack"))
     cfg = load_checkpoint(tmp_path / "pack")["config"]
     assert cfg["train"]["max_tokens"] == 48 and cfg["train"]["token_keep"] == 0.75
@@ -347,7 +348,7 @@ def test_packed_training_config_errors(tmp_path):
 
 
 def test_eval_at_native_aspect_ratio(tiny_run, tmp_path, capsys):
-    assert eval_script.main([str(tiny_run), "--resolutions", "16", "--native", "--out", str(tmp_path / "e")]) == 0
+    assert eval_cmd.main([str(tiny_run), "--resolutions", "16", "--native", "--out", str(tmp_path / "e")]) == 0
     rows = json.loads((tmp_path / "e" / "results.json").read_text())
     native = [r for r in rows if r["resolution"] == "native"]
     fixed = [r for r in rows if r["resolution"] == "16"]
@@ -374,9 +375,9 @@ def test_new_families_train_and_evaluate_with_their_test_time_controls(tmp_path,
     args = [str(tmp_path / "run"), "--resolutions", "16", "32", "--coord-mode", "extrapolate", *controls, "--out", str(tmp_path / "ev")]
     if error:
         with pytest.raises(ConfigError, match=error):
-            eval_script.main(args)
+            eval_cmd.main(args)
         return
-    assert eval_script.main(args) == 0
+    assert eval_cmd.main(args) == 0
     rows = json.loads((tmp_path / "ev" / "results.json").read_text())
     if controls[0] == "--rope-scaling":
         assert rows[0]["rope_scaling"] == controls[1] and f"[scaling {controls[1]}]" in rows[0]["label"]  # a declared option like any other
@@ -391,24 +392,24 @@ def test_new_families_train_and_evaluate_with_their_test_time_controls(tmp_path,
 def test_eval_refuses_a_lookhere_slope_that_is_not_positive():
     for bad in ("0", "-1", "inf", "steep"):
         with pytest.raises(SystemExit):
-            eval_script.parse_args(["runs/A", "--lookhere-slope", bad])
+            eval_cmd.parse_args(["runs/A", "--lookhere-slope", bad])
         with pytest.raises(ConfigError, match=f"'{bad}' is not a valid slope"):
-            eval_script.parse_pe_options([f"lookhere.slope={bad}"])
+            eval_cmd.parse_pe_options([f"lookhere.slope={bad}"])
     for bad, why in (("lookhere.slope", "must look like FAMILY.OPTION=VALUE"), ("lookhere.slop=2", "no registered family declares it"),
                      ("=2", "must look like")):
         with pytest.raises(ConfigError, match=why):
-            eval_script.parse_pe_options([bad])
-    assert eval_script.parse_pe_options(["slope=2", "rope_mixed.p_rope=0.25"]) == [("slope", "2"), ("rope_mixed.p_rope", "0.25")]
+            eval_cmd.parse_pe_options([bad])
+    assert eval_cmd.parse_pe_options(["slope=2", "rope_mixed.p_rope=0.25"]) == [("slope", "2"), ("rope_mixed.p_rope", "0.25")]
 
 
-class EveryStep(train_script.Heartbeat):
+class EveryStep(training.Heartbeat):
     """A log line at every tick (the real one waits a minute)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{**kwargs, "every": 0.0})
 
 
-class FixedRate(train_script.RateProbe):
+class FixedRate(training.RateProbe):
     """The probe's window as in a real run, with a known rate at its end."""
 
     def tick(self):
@@ -416,8 +417,8 @@ class FixedRate(train_script.RateProbe):
 
 
 def test_a_time_budget_sets_the_epochs_from_the_measured_rate_and_resumes_with_them(tiny_run, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train_script, "RateProbe", FixedRate)
-    monkeypatch.setattr(train_script, "Heartbeat", EveryStep)
+    monkeypatch.setattr(training, "RateProbe", FixedRate)
+    monkeypatch.setattr(training, "Heartbeat", EveryStep)
     # tiny: 8 steps x 32 images per epoch; 0.1 min at 128 img/s is 768 images, 3 epochs
     assert train(tmp_path, "b", "--set", "train.budget_min=0.1") == 0
     lines = capsys.readouterr().out
@@ -436,8 +437,8 @@ def test_a_time_budget_sets_the_epochs_from_the_measured_rate_and_resumes_with_t
         assert train(tmp_path, "cut", "--set", "train.budget_min=0.1") == 128 + signal_module.SIGINT
     finally:
         handle.remove()
-    monkeypatch.setattr(train_script, "RateProbe", None)  # a resumed run that measured again would fail here
-    assert train_script.main(["--resume", str(tmp_path / "cut")]) == 0
+    monkeypatch.setattr(training, "RateProbe", None)  # a resumed run that measured again would fail here
+    assert train_cmd.main(["--resume", str(tmp_path / "cut")]) == 0
     assert_same_weights(weights(tmp_path / "cut"), weights(tmp_path / "b"))
 
 
@@ -462,21 +463,21 @@ def test_test_time_augmentation_after_the_last_epoch_and_in_eval(tmp_path, capsy
     rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     assert "test_top1_tta_shift" not in rows[0] and 0 <= rows[-1]["test_top1_tta_shift"] <= 1  # the last epoch only
     assert f"({rows[-1]['test_top1_tta_shift']:.4f} with test-time augmentation shift)" in capsys.readouterr().out
-    assert eval_script.main([str(tmp_path / "t"), "--resolutions", "16", "--tta", "shift", "--out", str(tmp_path / "e")]) == 0
+    assert eval_cmd.main([str(tmp_path / "t"), "--resolutions", "16", "--tta", "shift", "--out", str(tmp_path / "e")]) == 0
     row = json.loads((tmp_path / "e" / "results.json").read_text())[0]
     assert row["tta"] == "shift" and row["top1"] == pytest.approx(rows[-1]["test_top1_tta_shift"])
     with pytest.raises(ConfigError, match="use --tta shift"):
-        eval_script.main([str(tmp_path / "t"), "--tta", "flip", "--out", str(tmp_path / "e2")])
+        eval_cmd.main([str(tmp_path / "t"), "--tta", "flip", "--out", str(tmp_path / "e2")])
 
 
 def test_content_keep_trains_evaluates_and_predicts(tmp_path, capsys):
     assert train(tmp_path, "ck", "--set", "model.content_keep=0.5", "--set", "train.token_keep=0.75") == 0
     assert load_checkpoint(tmp_path / "ck")["model_args"]["content_keep"] == 0.5
-    assert eval_script.main([str(tmp_path / "ck"), "--resolutions", "16", "24", "--out", str(tmp_path / "e")]) == 0
+    assert eval_cmd.main([str(tmp_path / "ck"), "--resolutions", "16", "24", "--out", str(tmp_path / "e")]) == 0
     rows = json.loads((tmp_path / "e" / "results.json").read_text())
     assert [r["resolution"] for r in rows] == ["16", "24"] and all(0 <= r["top1"] <= 1 for r in rows)
     with pytest.raises(ConfigError, match="evaluate it without --native"):
-        eval_script.main([str(tmp_path / "ck"), "--native", "--out", str(tmp_path / "e2")])
+        eval_cmd.main([str(tmp_path / "ck"), "--native", "--out", str(tmp_path / "e2")])
     with pytest.raises(ConfigError, match="model.content_keep=0.5 selects tokens from whole images"):
         train(tmp_path, "x", "--set", "model.content_keep=0.5", "--set", "train.max_tokens=64")
 
@@ -493,7 +494,7 @@ def test_tensorboard_curves_are_written_beside_the_metrics_and_once_per_epoch_af
     finally:
         handle.remove()
     run = tmp_path / "tb"
-    assert train_script.main(["--resume", str(run)]) == 0
+    assert train_cmd.main(["--resume", str(run)]) == 0
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])

@@ -15,13 +15,14 @@ import torch
 from PIL import Image
 
 import vitpe
-from vitpe import evaluation as eval_script
-from vitpe import predict as predict_script
-from vitpe import training as train_script
+from vitpe import evaluation, training
 from vitpe.checkpoint import CheckpointError
+from vitpe.cli import eval as eval_cmd
+from vitpe.cli import predict as predict_cmd
+from vitpe.cli import train as train_cmd
 from vitpe.config import ConfigError
 from vitpe.data import DataError, load_dataset
-from vitpe.data.images import open_image
+from vitpe.data.images import open_image, read_images
 from vitpe.engine import MemoryPlanError
 from vitpe.runs import RunError
 
@@ -109,7 +110,7 @@ def test_exif_orientation_is_applied_in_folders_and_predict(tmp_path):
     im.save(tmp_path / "phone.jpg", exif=exif, quality=95)
     upright = np.asarray(open_image(tmp_path / "phone.jpg"))
     assert upright.shape == (16, 8, 3) and upright[:8].mean() > 200 and upright[8:].mean() < 50  # the white half on top
-    x = predict_script.read_images([tmp_path / "phone.jpg"], 3, (16, 8))
+    x = read_images([tmp_path / "phone.jpg"], 3, (16, 8))
     assert x[0, :, :8].float().mean() > 200 and x[0, :, 8:].float().mean() < 50
 
 
@@ -118,7 +119,7 @@ def test_exif_orientation_is_applied_in_folders_and_predict(tmp_path):
 def folder_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cls")
     data = folder(tmp / "data", classes=("a", "b", "c"), per_class=12)
-    assert train_script.main(["--config", TINY, "--data", f"imagefolder:{data}", "--set", "train.batch_size=8", "--epochs", "2",
+    assert train_cmd.main(["--config", TINY, "--data", f"imagefolder:{data}", "--set", "train.batch_size=8", "--epochs", "2",
                               "--out-dir", str(tmp / "runs"), "--name", "r", "--set", "train.time_limit_min=0.0001"]) == 0
     return tmp, data, tmp / "runs" / "r"
 
@@ -127,36 +128,36 @@ def test_resume_and_eval_check_class_names(folder_run, tmp_path):
     _, data, run = folder_run
     mine = tmp_path / "data"
     shutil.copytree(data, mine)
-    assert train_script.main(["--config", TINY, "--data", f"imagefolder:{mine}", "--set", "train.batch_size=8", "--epochs", "2",
+    assert train_cmd.main(["--config", TINY, "--data", f"imagefolder:{mine}", "--set", "train.batch_size=8", "--epochs", "2",
                               "--out-dir", str(tmp_path), "--name", "r", "--set", "train.time_limit_min=0.0001"]) == 0
     assert torch.load(tmp_path / "r" / "checkpoint.pt", weights_only=True)["data"]["classes"] == ["a", "b", "c"]
     os.rename(mine / "b", mine / "d")  # same count, another class: the head's row for "b" would now mean "d"
     with pytest.raises(CheckpointError, match=r"was trained on classes a, b, c but imagefolder:.* has other classes \(b no longer there; d new\)"):
-        train_script.main(["--resume", str(tmp_path / "r")])
+        train_cmd.main(["--resume", str(tmp_path / "r")])
     with pytest.raises(CheckpointError, match=r"was trained on classes a, b, c but imagefolder:.* has other classes \(b no longer there; d new\)"):
-        eval_script.main([str(run), "--data", f"imagefolder:{mine}", "--resolutions", "16", "--out", str(tmp_path / "e")])
+        eval_cmd.main([str(run), "--data", f"imagefolder:{mine}", "--resolutions", "16", "--out", str(tmp_path / "e")])
     assert not (tmp_path / "e").exists()
 
 
 def test_a_checkpoint_from_another_run_is_not_resumed_under_this_runs_config(folder_run, tmp_path):
     _, data, run = folder_run
-    assert train_script.main(["--config", TINY, "--data", f"imagefolder:{data}", "--set", "train.batch_size=8", "--epochs", "2",
+    assert train_cmd.main(["--config", TINY, "--data", f"imagefolder:{data}", "--set", "train.batch_size=8", "--epochs", "2",
                               "--set", "model.embed_dim=48", "--out-dir", str(tmp_path), "--name", "big",
                               "--set", "train.time_limit_min=0.0001"]) == 0
     mine = tmp_path / "mine"
     shutil.copytree(run, mine)
     shutil.copy(tmp_path / "big" / "checkpoint.pt", mine / "checkpoint.pt")
     with pytest.raises(CheckpointError, match=r"is not this run's: .*model.embed_dim: 48 -> 32|model.embed_dim: 32 -> 48"):
-        train_script.main(["--resume", str(mine)])
+        train_cmd.main(["--resume", str(mine)])
 
 
 # ---- 3. memory without bound ----------------------------------------------------------------------------
 def test_eval_refuses_a_size_that_cannot_fit_before_anything_runs(folder_run, tmp_path, monkeypatch):
     _, _, run = folder_run
-    monkeypatch.setattr(eval_script, "evaluate_at", lambda *a, **k: pytest.fail("evaluated a size that cannot fit"))
+    monkeypatch.setattr(eval_cmd, "evaluate_at", lambda *a, **k: pytest.fail("evaluated a size that cannot fit"))
     monkeypatch.setattr(vitpe.engine, "memory_available", lambda device: 2**30)
     with pytest.raises(MemoryPlanError, match=r"resolution 4096x4096 needs about \d+\.\d GiB for one image in .* up to about \d+x\d+"):
-        eval_script.main([str(run), "--resolutions", "16", "4096", "--out", str(tmp_path / "e")])
+        eval_cmd.main([str(run), "--resolutions", "16", "4096", "--out", str(tmp_path / "e")])
     assert not (tmp_path / "e").exists()
 
 
@@ -189,20 +190,20 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError, match="more than 100,000 values once its YAML aliases"):
-        train_script.main(["--config", str(bomb)])
+        train_cmd.main(["--config", str(bomb)])
 
 
 def test_predict_refuses_a_decompression_bomb_and_bad_top_in_one_line(folder_run, tmp_path, monkeypatch, capsys):
     _, _, run = folder_run
     Image.new("RGB", (64, 64)).save(tmp_path / "huge.png")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
-    from vitpe.errors import run_cli
+    from vitpe.cli.common import run_cli
 
-    assert run_cli(predict_script.main, [str(tmp_path / "huge.png"), "--run", str(run)]) == 1
+    assert run_cli(predict_cmd.main, [str(tmp_path / "huge.png"), "--run", str(run)]) == 1
     assert "huge.png is too large to decode safely" in capsys.readouterr().err
     for top in ("0", "-2"):
         with pytest.raises(SystemExit) as e:
-            predict_script.main([str(tmp_path / "huge.png"), "--run", str(run), "--top", top])
+            predict_cmd.main([str(tmp_path / "huge.png"), "--run", str(run), "--top", top])
         assert e.value.code == 2 and "--top must be at least 1" in capsys.readouterr().err
 
 
@@ -210,10 +211,10 @@ def test_predict_takes_a_file_whose_name_starts_with_a_dash(folder_run, tmp_path
     _, data, run = folder_run
     monkeypatch.chdir(tmp_path)
     shutil.copy(data / "a" / "0.png", tmp_path / "-dash.png")
-    assert predict_script.main(["-dash.png", "--run", str(run), "--top", "1"]) == 0
+    assert predict_cmd.main(["-dash.png", "--run", str(run), "--top", "1"]) == 0
     assert capsys.readouterr().out.startswith("-dash.png: ")
     with pytest.raises(SystemExit):
-        predict_script.main(["-nofile.png", "--run", str(run)])
+        predict_cmd.main(["-nofile.png", "--run", str(run)])
     assert "put -- before it" in capsys.readouterr().err
 
 
@@ -288,7 +289,7 @@ def test_input_dtypes_and_token_keep():
 def test_dot_names_are_refused(tmp_path):
     for name in (".", ".."):
         with pytest.raises(RunError, match="names a folder that is not a run's own"):
-            train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", name])
+            train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", name])
 
 
 def test_eval_checks_its_output_first_keeps_finished_rows_on_ctrl_c_and_names_datasets(folder_run, tmp_path, monkeypatch, capsys):
@@ -296,11 +297,11 @@ def test_eval_checks_its_output_first_keeps_finished_rows_on_ctrl_c_and_names_da
     full = tmp_path / "full"
     full.mkdir()
     (full / "x").write_text("")
-    monkeypatch.setattr(eval_script, "evaluate_at", lambda *a, **k: pytest.fail("evaluated before checking --out"))
+    monkeypatch.setattr(eval_cmd, "evaluate_at", lambda *a, **k: pytest.fail("evaluated before checking --out"))
     with pytest.raises(ConfigError, match="exists and is not an empty directory"):
-        eval_script.main([str(run), "--resolutions", "16", "--out", str(full)])
+        eval_cmd.main([str(run), "--resolutions", "16", "--out", str(full)])
     monkeypatch.undo()
-    real = eval_script.evaluate_at
+    real = evaluation.evaluate_at
 
     def one_then_ctrl_c(*args, **kwargs):
         for i, row in enumerate(real(*args, **kwargs)):
@@ -308,36 +309,36 @@ def test_eval_checks_its_output_first_keeps_finished_rows_on_ctrl_c_and_names_da
                 raise KeyboardInterrupt
             yield row
 
-    monkeypatch.setattr(eval_script, "evaluate_at", one_then_ctrl_c)
+    monkeypatch.setattr(eval_cmd, "evaluate_at", one_then_ctrl_c)
     out = tmp_path / "cut"
-    assert eval_script.main([str(run), "--resolutions", "16", "24", "32", "--diagnostics", "0", "--out", str(out)]) == 130
+    assert eval_cmd.main([str(run), "--resolutions", "16", "24", "32", "--diagnostics", "0", "--out", str(out)]) == 130
     assert len(json.loads((out / "results.json").read_text())) == 1 and "interrupted (SIGINT): the 1 sizes that finished" in capsys.readouterr().err
     monkeypatch.undo()
     shapes = tmp / "runs"
-    assert train_script.main(["--config", TINY, "--epochs", "1", "--out-dir", str(shapes), "--name", "s"]) == 0
+    assert train_cmd.main(["--config", TINY, "--epochs", "1", "--out-dir", str(shapes), "--name", "s"]) == 0
     two = tmp_path / "two"
-    assert eval_script.main([str(run), str(shapes / "s"), "--resolutions", "16", "--diagnostics", "0", "--out", str(two)]) == 0
+    assert eval_cmd.main([str(run), str(shapes / "s"), "--resolutions", "16", "--diagnostics", "0", "--out", str(two)]) == 0
     labels = {r["label"] for r in json.loads((two / "results.json").read_text())}
     assert any(label.endswith(" on shapes") for label in labels) and any(" on imagefolder:" in label for label in labels)
 
 
 def test_predict_refuses_a_size_that_cannot_fit_and_training_warns_up_front(folder_run, tmp_path, monkeypatch, capsys):
-    from vitpe.errors import run_cli
+    from vitpe.cli.common import run_cli
 
     _, data, run = folder_run
     monkeypatch.setattr(vitpe.engine, "memory_available", lambda device: 2**27)
-    assert run_cli(predict_script.main, [str(data / "a" / "0.png"), "--run", str(run), "--size", "1024"]) == 2
+    assert run_cli(predict_cmd.main, [str(data / "a" / "0.png"), "--run", str(run), "--size", "1024"]) == 2
     assert "resolution 1024x1024 needs about" in capsys.readouterr().err
-    monkeypatch.setattr(train_script, "memory_available", lambda device: 1000)
+    monkeypatch.setattr(training, "memory_available", lambda device: 1000)
     # past 1.5x of what is available (the plan's measured bound) the run cannot fit: refused before its folder exists
-    assert run_cli(train_script.main, ["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "r"]) == 2
+    assert run_cli(train_cmd.main, ["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "r"]) == 2
     assert "a training step at 16 px needs about" in capsys.readouterr().err and not (tmp_path / "r").exists()
-    real = train_script.train_step_bytes
-    monkeypatch.setattr(train_script, "train_step_bytes", lambda m, size, batch: real(m, size, batch) * 1000 // real(m, size, 32))
-    assert run_cli(train_script.main, ["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "r", "--set", "train.batch_size=64"]) == 2
+    real = training.train_step_bytes
+    monkeypatch.setattr(training, "train_step_bytes", lambda m, size, batch: real(m, size, batch) * 1000 // real(m, size, 32))
+    assert run_cli(train_cmd.main, ["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "r", "--set", "train.batch_size=64"]) == 2
     assert re.search(r"lower train.batch_size to 4[78] or less", capsys.readouterr().err)  # 1.5x the 32 images that fit exactly
-    monkeypatch.setattr(train_script, "memory_available", lambda device: 800)  # within the plan's bound: a warning, then the run
-    assert train_script.main(["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "w"]) == 0
+    monkeypatch.setattr(training, "memory_available", lambda device: 800)  # within the plan's bound: a warning, then the run
+    assert train_cmd.main(["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "w"]) == 0
     assert "warning: a training step at 16 px may hold up to" in capsys.readouterr().out
 
 
@@ -353,22 +354,22 @@ def test_more_of_the_same_kind(folder_run, tmp_path, capsys):
     with pytest.raises(DataError, match="class folder kitty is a link to a, read already"):
         load_dataset(f"imagefolder:{links}")
     out = tmp_path / "twice"
-    assert eval_script.main([str(run), str(run / "checkpoint.pt"), "--resolutions", "16", "--diagnostics", "0", "--out", str(out)]) == 0
+    assert eval_cmd.main([str(run), str(run / "checkpoint.pt"), "--resolutions", "16", "--diagnostics", "0", "--out", str(out)]) == 0
     assert len(json.loads((out / "results.json").read_text())) == 1 and "given twice; each is evaluated once" in capsys.readouterr().err
-    assert train_script.main(["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "done"]) == 0
+    assert train_cmd.main(["--config", TINY, "--epochs", "1", "--out-dir", str(tmp_path), "--name", "done"]) == 0
     before = (tmp_path / "done" / "checkpoint.pt").stat().st_mtime_ns
     capsys.readouterr()
-    assert train_script.main(["--resume", str(tmp_path / "done")]) == 0  # a finished run: said, not trained on
+    assert train_cmd.main(["--resume", str(tmp_path / "done")]) == 0  # a finished run: said, not trained on
     assert "finished all its 1 epochs already" in capsys.readouterr().out and (tmp_path / "done" / "checkpoint.pt").stat().st_mtime_ns == before
     for size in ("0", "-4"):
         with pytest.raises(SystemExit):
-            predict_script.main([str(data / "a" / "0.png"), "--run", str(run), "--size", size])
+            predict_cmd.main([str(data / "a" / "0.png"), "--run", str(run), "--size", size])
         assert "must be positive" in capsys.readouterr().err
 
 
 def test_nan_and_ill_typed_values_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"train.lr=nan is out of range"):
-        train_script.main(["--config", TINY, "--set", "train.lr=.nan", "--out-dir", str(tmp_path)])
+        train_cmd.main(["--config", TINY, "--set", "train.lr=.nan", "--out-dir", str(tmp_path)])
     with pytest.raises(ValueError, match=r"coord_aug takes numbers for shift, rescale and jitter"):
         vitpe.VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, coord_aug={"rescale": [2, 1]})
 
@@ -376,8 +377,8 @@ def test_nan_and_ill_typed_values_are_one_line(tmp_path):
 def test_attention_diagnostics_are_skipped_where_one_images_scores_cannot_fit(folder_run, tmp_path, monkeypatch, capsys):
     _, _, run = folder_run
     model, _ = vitpe.checkpoint.model_from_checkpoint(run)
-    monkeypatch.setattr(eval_script, "memory_available", lambda device: 2 * vitpe.engine.attention_bytes(model, (16, 16)))
-    assert eval_script.main([str(run), "--resolutions", "16", "32", "--diagnostics", "4", "--out", str(tmp_path / "d")]) == 0
+    monkeypatch.setattr(evaluation, "memory_available", lambda device: 2 * vitpe.engine.attention_bytes(model, (16, 16)))
+    assert eval_cmd.main([str(run), "--resolutions", "16", "32", "--diagnostics", "4", "--out", str(tmp_path / "d")]) == 0
     rows = {r["resolution"]: r for r in json.loads((tmp_path / "d" / "results.json").read_text())}
     assert "attn_distance" in rows["16"] and "attn_distance" not in rows["32"]
     assert "no attention diagnostics at 32x32: one image's attention scores would take" in capsys.readouterr().err
@@ -394,7 +395,7 @@ def test_training_options_that_would_be_ignored_or_fail_late_are_one_line_first(
     from vitpe.training import schedule_warnings
 
     with pytest.raises(ConfigError, match="train.warmup_steps=10 is the warm-up of a train.steps run .*set train.steps too"):
-        train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "w", "--set", "train.warmup_steps=10"])
+        train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "w", "--set", "train.warmup_steps=10"])
     cfg = load_config(TINY)
     cfg.train.steps, cfg.train.warmup_steps, cfg.train.epochs, cfg.train.warmup_epochs = 16, 16, 2, 2.0
     assert any(w.startswith("train.warmup_steps=16 covers the whole 2-epoch run") and w.endswith("lower train.warmup_steps")
@@ -405,7 +406,7 @@ def test_training_options_that_would_be_ignored_or_fail_late_are_one_line_first(
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "tensorboard" else real(name, *a))
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # installed, but its import fails
     with pytest.raises(ConfigError, match="tensorboard package is installed but does not import .*reinstall it"):
-        train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "tb", "--set", "train.tensorboard=true"])
+        train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "tb", "--set", "train.tensorboard=true"])
     assert not (tmp_path / "w").exists() and not (tmp_path / "tb").exists()
 
 
@@ -416,17 +417,17 @@ def test_predicts_text_output_is_one_line_per_image_named_by_its_path(folder_run
     for d in ("x", "y"):
         (tmp_path / d).mkdir()
         shutil.copy(data / "a" / "0.png", tmp_path / d / "0.png")
-    real = predict_script.shipped_model
+    real = evaluation.shipped_model
 
     def newline_classes(*a, **k):
         model, info = real(*a, **k)
         return model, dict(info, classes=[f"{c}\nsecond line" for c in info["classes"]])
 
-    monkeypatch.setattr(predict_script, "shipped_model", newline_classes)
+    monkeypatch.setattr(predict_cmd, "shipped_model", newline_classes)
     capsys.readouterr()
-    assert predict_script.main([str(tmp_path / "x" / "0.png"), str(tmp_path / "y" / "0.png"), "--run", str(run), "--top", "2"]) == 0
+    assert predict_cmd.main([str(tmp_path / "x" / "0.png"), str(tmp_path / "y" / "0.png"), "--run", str(run), "--top", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and lines[0].startswith(f"{tmp_path / 'x' / '0.png'}: ") and lines[1].startswith(f"{tmp_path / 'y' / '0.png'}: ")
     assert '\\nsecond line"' in lines[0]
-    assert predict_script.main([str(tmp_path / "x" / "0.png"), "--run", str(run), "--json"]) == 0
+    assert predict_cmd.main([str(tmp_path / "x" / "0.png"), "--run", str(run), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["top"][0]["class"].endswith("\nsecond line")

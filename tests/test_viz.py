@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import vitpe
-from vitpe import training as train_script
 from vitpe import viz
+from vitpe.cli import train as train_cmd
+from vitpe.cli import viz as viz_cli
 from vitpe.coords import content_tokens
-from vitpe.viz import cli as viz_cli
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 
@@ -128,7 +128,7 @@ def test_viz_command_writes_pictures_and_numbers(tmp_path):
     out = tmp_path / "v"
     assert viz_cli.main(["matrix", "--pe", "sincos2d", "--grid", "8", "--dim", "32", "--out", str(out)]) == 0
     assert viz_cli.main(["similarity", "--pe", "rope_mixed", "--grid", "8", "6", "--ref-grid", "4", "--query", "1", "2", "--out", str(out)]) == 0
-    assert train_script.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "r", "--epochs", "1", "--pe", "rel_bias"]) == 0
+    assert train_cmd.main(["--config", TINY, "--out-dir", str(tmp_path), "--name", "r", "--epochs", "1", "--pe", "rel_bias"]) == 0
     assert viz_cli.main(["similarity", "--checkpoint", str(tmp_path / "r"), "--grid", "4", "--out", str(out)]) == 0
     assert viz_cli.main(["attention-distance", str(tmp_path / "r"), "--resolutions", "16", "32", "--images", "16", "--out", str(out)]) == 0
     pngs = sorted(p.name for p in out.glob("*.png"))

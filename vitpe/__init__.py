@@ -1,8 +1,7 @@
 """vitpe: Vision Transformers and their positional encodings, as functions of continuous patch coordinates."""
-from . import timm_models  # registers vitpe_* architectures with timm.create_model
 from .coords import COORD_MODES, CoordAugment, PatchGrid, TokenGrid, cell_coords, grid_coords, patch_units
 from .finetune import freeze, init_from
-from .interop import cpb_from_swinv2, equip_timm_vit
+from .onnx import export_onnx, onnx_errors
 from .packing import Packed, PackingError, image_patches, pack_images, pack_patches
 from .patch import resize_patch_embed
 from .pos_embed import (
@@ -26,24 +25,10 @@ from .pos_embed import (
     sincos_1d,
     sincos_2d,
 )
-from .pretrained import from_pretrained, save_pretrained
-from .timm_convert import load_timm_state_dict, vit_from_timm
+from .timm import cpb_from_swinv2, equip_timm_vit, from_pretrained, load_timm_state_dict, save_pretrained, vit_from_timm  # and registers vitpe_* with timm
 from .vit import Attention, Block, LayerScale, VisionTransformer
 
 __version__ = "0.1.0"
-
-# vitpe.export is also a command (python -m vitpe.export): imported here first, runpy would warn that it runs a second
-# copy of a module already loaded. Its functions load on first use instead.
-_LAZY = {"export": "export", "export_onnx": "export", "onnx_errors": "export"}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        from importlib import import_module
-
-        module = import_module(f".{_LAZY[name]}", __name__)
-        return module if name == _LAZY[name] else getattr(module, name)
-    raise AttributeError(f"module 'vitpe' has no attribute {name!r}")
 
 __all__ = [
     "COORD_MODES",

@@ -1,22 +1,22 @@
-"""Pieces train.py and eval.py share: devices, mixed precision, per-step seeding, evaluation."""
+"""The runtime training and evaluation share: the device, mixed precision, per-step seeding, progress, and the memory
+a step or a forward pass needs (planned before it runs, refused in one line where it cannot fit). The evaluation loop
+itself is :mod:`vitpe.evaluation`'s."""
 from __future__ import annotations
 
 import contextlib
 import random
 import sys
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
-from .data.augment import normalize, tta_views
 from .errors import VitpeError
 
-__all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "Scores", "evaluate", "evaluate_native", "memory_available",
-           "gib", "score_bytes", "attention_bytes", "forward_bytes", "memory_plan", "MemoryPlanError"]
+__all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "Heartbeat", "progress_steps", "memory_available", "gib",
+           "score_bytes", "attention_bytes", "forward_bytes", "train_step_bytes", "memory_plan", "MemoryPlanError"]
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -209,120 +209,3 @@ def progress_steps(total: int, step: int, desc: str, progress: bool) -> Iterator
     for s in tqdm(range(0, total, step), desc=desc, leave=False, disable=not bar):
         yield s
         beat.tick(min(s + step, total))
-
-
-class Scores:
-    """Running top-1, top-5, summed cross-entropy and (true, predicted) class counts over batches of logits: one
-    scoring rule for every way of evaluating (fixed size, patch resize, packed native aspect ratio)."""
-
-    def __init__(self) -> None:
-        self.n, self.loss, self.top1, self.top5 = 0, 0.0, 0, 0
-        self.pairs: Optional[Tensor] = None  # (classes, classes): per-class hits are its diagonal, images its row sums
-        self.classes = 0
-
-    def add(self, logits: Tensor, y: Tensor) -> None:
-        logits = logits.float()
-        self.loss += F.cross_entropy(logits, y, reduction="sum").item()
-        self.classes = c = logits.shape[1]
-        topk = logits.topk(min(5, c), dim=1).indices
-        self.top1 += (topk[:, 0] == y).sum().item()
-        self.top5 += (topk == y[:, None]).any(1).sum().item()
-        pairs = torch.bincount(y * c + topk[:, 0], minlength=c * c).view(c, c).cpu()
-        self.pairs = pairs if self.pairs is None else self.pairs + pairs
-        self.n += len(y)
-
-    def result(self, confusion: bool = False) -> Dict[str, float]:
-        """The scores; ``confusion``: also the ``(classes, classes)`` counts of (true, predicted) class."""
-        n = max(self.n, 1)
-        out = {"top1": self.top1 / n, "loss": self.loss / n, "n": self.n}
-        if self.classes > 5:
-            out["top5"] = self.top5 / n
-        out["per_class_top1"] = (self.pairs.diagonal() / self.pairs.sum(1).clamp_min(1)).tolist()
-        if confusion:
-            out["confusion"] = self.pairs.tolist()
-        return out
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    images: Tensor,
-    labels: Tensor,
-    mean: Sequence[float],
-    std: Sequence[float],
-    batch_size: int = 512,
-    device: torch.device = torch.device("cpu"),
-    dtype: Optional[torch.dtype] = None,
-    progress: bool = False,  # a bar on a terminal, progress lines in a log
-    desc: str = "eval",
-    patch_size: Optional[int] = None,
-    tta: str = "none",
-    grid_of: Optional[Callable[[nn.Module, Tensor], Any]] = None,
-    resize_to: Optional[Tuple[int, int]] = None,
-    confusion: bool = False,
-) -> Dict[str, float]:
-    """Top-1, top-5 (when there are more than 5 classes), mean cross-entropy and per-class top-1 over a split
-    (``confusion``: also the (true, predicted) class counts, :meth:`Scores.result`).
-
-    ``images`` are uint8, already at the size to evaluate; ``patch_size`` runs a vitpe ViT with a resized patch embedding (FlexiViT).
-    ``tta``: average the predicted probabilities over test-time views (:data:`vitpe.data.augment.TTA_MODES`).
-    ``grid_of(model, x)``: the coordinates a vitpe ViT gets for each normalized batch ``x`` (a
-    :class:`~vitpe.coords.PatchGrid`; default: its own), for probes that move the positions and nothing else.
-    ``resize_to=(h, w)``: each batch is resized to that size first (an exact area average when shrinking,
-    :func:`vitpe.data.datasets.shrink_to`), as a user would resize an image to the size a model was trained at: the
-    baseline of every resolution-transfer claim.
-    """
-    from vitpe.data.datasets import shrink_to
-
-    was_training = model.training
-    model.eval()
-    scores = Scores()
-    kwargs = {} if patch_size is None else {"patch_size": patch_size}
-    for s in progress_steps(len(labels), batch_size, desc, progress):
-        batch = images[s : s + batch_size]
-        x = normalize((batch if resize_to is None else shrink_to(batch, resize_to)).to(device, non_blocking=True), mean, std)
-        probs = 0.0
-        views = tta_views(x, tta)
-        for view in views:
-            if grid_of is not None:
-                kwargs["grid"] = grid_of(model, view)
-            with autocast(device, dtype):
-                logits = model(view, **kwargs)
-            probs = probs + logits.float().softmax(-1) / len(views)
-        scores.add(logits if len(views) == 1 else probs.clamp_min(1e-12).log(), labels[s : s + batch_size].to(device))
-    model.train(was_training)
-    return scores.result(confusion)
-
-
-@torch.no_grad()
-def evaluate_native(
-    model: nn.Module,
-    ds,
-    side: int,
-    batch_size: int = 512,
-    device: torch.device = torch.device("cpu"),
-    dtype: Optional[torch.dtype] = None,
-    progress: bool = False,
-    desc: str = "eval native",
-) -> Dict[str, float]:
-    """:func:`evaluate` with every test image at its own aspect ratio (``ds.aspects``; square when the dataset has
-    none) and the area of a ``side x side`` image, packed (a vitpe ViT; NaViT's evaluation). Also returns the mean
-    patch tokens per image."""
-    from .data.mixed import mixed_batch, native_sizes
-
-    labels = ds.split(False)[1]
-    aspects = ds.aspects(False)
-    p = model.patch_size
-    sizes = native_sizes(aspects if aspects is not None else torch.ones(len(labels)), side, p)
-    budget = max(max(h * w for h, w in sizes) // p**2, 4 * (side // p) ** 2)  # rows of several images, none too large
-    was_training = model.training
-    model.eval()
-    scores = Scores()
-    for s in progress_steps(len(labels), batch_size, desc, progress):
-        index = torch.arange(s, min(s + batch_size, len(labels)))
-        x = mixed_batch(ds, False, index, sizes[s : s + batch_size], p, budget).to(device)
-        with autocast(device, dtype):
-            logits = model(x)
-        scores.add(logits, labels[index].to(device))
-    model.train(was_training)
-    return {**scores.result(), "tokens_per_image": sum(h * w for h, w in sizes) / p**2 / max(len(sizes), 1)}

@@ -1,16 +1,15 @@
-"""One family of errors a user can act on, and the one way the command lines report them.
+"""One family of errors a user can act on (the commands report them in one line: :func:`vitpe.cli.common.run_cli`).
 
 Every error vitpe raises about bad input or state is a :class:`VitpeError` (a ``ValueError``, so callers that
 catch ``ValueError`` keep working; the ones that were ``RuntimeError`` are both). Its message is one line that
-says what is wrong and what to do; the command lines print it as ``error: ...`` and exit with ``exit_code``.
+says what is wrong and what to do; the commands print it as ``error: ...`` and exit with ``exit_code``.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional
 
-__all__ = ["VitpeError", "run_cli", "command_name"]
+__all__ = ["VitpeError", "command_name"]
 
 
 class VitpeError(ValueError):
@@ -30,19 +29,3 @@ def command_name(name: str) -> str:
     RUN`` in a clone, ``vitpe train --resume RUN`` from an installed wheel or where the ``vitpe`` command is in use)."""
     installed = not (Path(__file__).resolve().parents[1] / "train.py").is_file()
     return f"vitpe {name}" if installed or sys.argv[0].startswith("vitpe ") else CLONE_DOORS[name]
-
-
-def run_cli(main: Callable[[Optional[List[str]]], int], argv: Optional[List[str]] = None) -> int:
-    """Run a command line's ``main``; errors become one line on stderr and an exit code, never a traceback."""
-    try:
-        return main(argv)
-    except VitpeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except ValueError as e:  # raised by the library's own argument checks (a model's size, a PE's option)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # disk full, permissions: one line naming the file
-        print(f"error: {e.strerror or e} ({e.filename or 'while writing'}); free space or fix the path, then run again "
-              "(a training run: --resume)", file=sys.stderr)
-        return 1

@@ -28,8 +28,8 @@ from .config import frozen_spec
 from .coords import to_2tuple
 from .errors import VitpeError
 from .patch import resize_patch_embed
-from .pretrained import ARCHITECTURE, CONFIG_FILE, WEIGHTS_FILE, file_sha256
 from .suggest import did_you_mean
+from .timm.pretrained import ARCHITECTURE, CONFIG_FILE, WEIGHTS_FILE, file_sha256
 from .vit import VisionTransformer
 
 __all__ = ["InitError", "Source", "FINE_TUNABLE", "read_source", "source_model_args", "start_model", "freeze", "frozen_spec", "init_from"]
@@ -138,7 +138,7 @@ def _timm_model(name: str, weights: Optional[str], num_classes: Optional[int] = 
 
 
 def _from_timm(model: nn.Module, spec: str) -> VisionTransformer:
-    from .timm_convert import vit_from_timm
+    from .timm.convert import vit_from_timm
 
     try:
         return vit_from_timm(model)
@@ -163,7 +163,7 @@ def _folder_source(spec: str, d: Path) -> Source:
     if not files:
         raise InitError(f"{d} has a {CONFIG_FILE} but no weights ({WEIGHTS_FILE} or pytorch_model.bin)")
     if arch == ARCHITECTURE:
-        from .pretrained import from_pretrained
+        from .timm.pretrained import from_pretrained
 
         try:
             model = from_pretrained(d)

@@ -1,17 +1,17 @@
-"""Train a ViT classifier with any positional encoding.
+"""The training loop: a run from its config to its last checkpoint, resumable at any step.
 
-    python train.py                                        # shapes, the built-in dataset, ~4 min on 2 CPU cores
-    python train.py --config configs/fashion_mnist.yaml --pe FAMILY
-    python train.py --resume runs/RUN
-    torchrun --nproc_per_node 2 train.py --config configs/tiny.yaml     # gloo on CPU, NCCL on GPUs
+    from vitpe.training import train, resolve_config
+    train("fashion_mnist", ["model.pos_embed=FAMILY", "train.epochs=5"])         # what vitpe train --config ... runs
+    train(resume="runs/RUN")                                                     # on from where it stopped
+    cfg = resolve_config("shapes", ["train.lr=5e-4"])                            # the config such a run would train with
 
-Every run gets its own directory (never overwritten, locked while it trains) holding config.yaml,
-checkpoint.pt (written atomically each epoch, and at the next step boundary on Ctrl-C or SIGTERM) and
-metrics.jsonl / metrics.csv.
+config -> data -> model (from scratch or from a model, ``init.source``) -> the loop, with signals, budgets, torchrun and
+the lines a finished run prints (what it learned, against the measured reference). Every run gets its own directory
+(never overwritten, locked while it trains) holding config.yaml, checkpoint.pt (written atomically each epoch, and at
+the next step boundary on Ctrl-C or SIGTERM) and metrics.jsonl / metrics.csv.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import functools
@@ -31,7 +31,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from vitpe import VisionTransformer
 from vitpe.checkpoint import CHECKPOINT_NAME, CheckpointError, check_classes, load_checkpoint, load_model_state, non_finite, save_checkpoint
 from vitpe.config import (
     Config,
@@ -42,7 +41,6 @@ from vitpe.config import (
     config_path,
     load_config,
     save_config,
-    shipped_config_names,
     shipped_configs,
     train_resolutions,
 )
@@ -50,8 +48,9 @@ from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, crop_boxes, normalize
 from vitpe.data.datasets import TRAIN_SIZES
 from vitpe.data.mixed import draw_sizes, mixed_batch
-from vitpe.engine import Heartbeat, amp_dtype, autocast, evaluate, gib, memory_available, resolve_device, seed_step, train_step_bytes
-from vitpe.errors import VitpeError, command_name, run_cli
+from vitpe.engine import Heartbeat, amp_dtype, autocast, gib, memory_available, resolve_device, seed_step, train_step_bytes
+from vitpe.errors import VitpeError, command_name
+from vitpe.evaluation import evaluate
 from vitpe.finetune import FINE_TUNABLE, Source, freeze, read_source, source_model_args, start_model
 from vitpe.pos_embed import NO_POS_EMBED
 from vitpe.runs import (  # noqa: F401 (safe_name: public name)
@@ -67,6 +66,7 @@ from vitpe.runs import (  # noqa: F401 (safe_name: public name)
     safe_name,
     write_metrics,
 )
+from vitpe.vit import VisionTransformer
 
 DEFAULT_CONFIG = shipped_configs() / "shapes.yaml"  # the main job
 FINETUNE_CONFIG = DEFAULT_CONFIG.with_name("finetune.yaml")  # the default recipe of a run started from a model (--init)
@@ -81,58 +81,32 @@ class TrainingError(VitpeError, RuntimeError):
     """Training cannot go on (e.g. the loss diverged); the message says what to do."""
 
 
-def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="a YAML file, or a shipped config by name: "
-                   f"{', '.join(shipped_config_names())} (default: {DEFAULT_CONFIG.stem})")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set train.lr=5e-4 --set train.epochs=5")
-    p.add_argument("--data", help="shortcut for --set data.name=NAME")
-    p.add_argument("--data-dir", help="shortcut for --set data.data_dir=DIR")
-    p.add_argument("--pe", help="shortcut for --set model.pos_embed=NAME")
-    p.add_argument("--epochs", type=int, help="shortcut for --set train.epochs=N")
-    p.add_argument("--name", help="run directory name under out_dir (must not exist yet)")
-    p.add_argument("--out-dir", help="where run directories go (default: runs)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run exactly where it stopped")
-    p.add_argument("--init", metavar="SOURCE", help="start from a model: a run directory or checkpoint, a save_pretrained folder, or "
-                   "timm:NAME (shortcut for --set init.source=SOURCE; default config then configs/finetune.yaml)")
-    p.add_argument("--init-weights", metavar="FILE", help="with --init timm:NAME: its weights (.safetensors, .pth, .bin)")
-    p.add_argument("--no-verify", action="store_true", help="resume from a checkpoint whose checksum does not match")
-    return p.parse_args(argv)
-
-
-def cli_overrides(args: argparse.Namespace) -> List[str]:
-    """The ``key=value`` overrides the command line gives, its shortcuts (``--data``, ``--epochs``, ...) included."""
-    shortcuts = [("data.name", args.data), ("data.data_dir", args.data_dir), ("model.pos_embed", args.pe),
-                 ("train.epochs", args.epochs), ("name", args.name), ("out_dir", args.out_dir), ("init.source", args.init),
-                 ("init.weights", args.init_weights)]
-    return [f"{k}={v}" for k, v in shortcuts if v is not None] + args.overrides
-
-
-def config_file(args: argparse.Namespace) -> Path:
-    """The config file a run reads: ``--config``, else the fine-tuning recipe for a run started from a model, else the main job."""
-    if args.config:
-        return config_path(args.config)
-    starts_from = args.init or any(o.split("=", 1)[0].strip() == "init.source" for o in args.overrides)
+def config_file(config: Optional[str] = None, overrides: Sequence[str] = ()) -> Path:
+    """The config file a run reads: ``config`` (a path, or a shipped config's name), else the fine-tuning recipe for a
+    run started from a model (an ``init.source`` override), else the main job."""
+    if config:
+        return config_path(config)
+    starts_from = any(o.split("=", 1)[0].strip() == "init.source" for o in overrides)
     return FINETUNE_CONFIG if starts_from else DEFAULT_CONFIG
 
 
-def resolve_config(args: argparse.Namespace) -> Config:
-    return resolve_run(args)[0]
+def resolve_config(config: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
+    """The config a new run with ``config`` and ``overrides`` (``key=value``) trains with, as :func:`train` resolves it."""
+    return resolve_run(config, overrides)[0]
 
 
-def resolve_run(args: argparse.Namespace) -> Tuple[Config, Optional[Source], List[str]]:
+def resolve_run(config: Optional[str] = None, overrides: Sequence[str] = ()) -> Tuple[Config, Optional[Source], List[str]]:
     """The config a new run trains with; for one that starts from a model (``init.source``), the source read (only
     read) and the lines that say what came from it (:func:`config_from_source`)."""
-    file = config_file(args)
+    file = config_file(config, overrides)
     cfg = load_config(str(file))
-    overrides = cli_overrides(args)
+    overrides = list(overrides)
     source, lines = None, []
     rest = apply_overrides(cfg, [o for o in overrides if not o.startswith("model.")])
     if rest.init.source:  # the model's keys are the source's, changed by the command line's model.* only
         cfg = rest
         source = read_source(cfg.init.source, cfg.init.weights)
-        given = set(_DATASET_KEYS) if args.config else {o.split("=", 1)[0].strip()[len("data."):] for o in overrides if o.startswith("data.")}
+        given = set(_DATASET_KEYS) if config else {o.split("=", 1)[0].strip()[len("data."):] for o in overrides if o.startswith("data.")}
         cfg, lines = config_from_source(cfg, source, [o for o in overrides if o.startswith("model.")], file, given)
     else:
         cfg = apply_overrides(cfg, overrides)
@@ -193,11 +167,9 @@ def run_name(cfg: Config) -> str:
     return cfg.name or f"{cfg.data.name}-{cfg.model.pos_embed}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def resume_state(args: argparse.Namespace) -> Tuple[Optional[Dict[str, Any]], Config, Path]:
-    """What ``--resume`` continues: the checkpoint, or a run stopped before its first one (from its config, at step 0)."""
-    if args.config or args.overrides or any(getattr(args, k) for k in ("data", "data_dir", "pe", "epochs", "name", "out_dir", "init", "init_weights")):
-        raise ConfigError("a resumed run continues with its saved config; start a new run to change settings")
-    given = Path(args.resume)
+def resume_state(resume: str, verify: bool = True) -> Tuple[Optional[Dict[str, Any]], Config, Path]:
+    """What a resumed run continues: the checkpoint, or a run stopped before its first one (from its config, at step 0)."""
+    given = Path(resume)
     run = given if given.is_dir() else given.parent
     if given.is_dir() and not (given / CHECKPOINT_NAME).exists():
         if (given / CONFIG_NAME).is_file():
@@ -206,10 +178,10 @@ def resume_state(args: argparse.Namespace) -> Tuple[Optional[Dict[str, Any]], Co
         if not any(f.name != LOCK_NAME for f in given.iterdir()):
             raise RunError(f"run directory {given} is empty (it was stopped while it was being made, before any training): "
                            "nothing is lost; remove it and start the run again")
-    state = load_checkpoint(args.resume, verify=not args.no_verify)
+    state = load_checkpoint(resume, verify=verify)
     for key in ("optimizer", "scheduler", "epoch", "step"):
         if key not in state:
-            raise CheckpointError(f"checkpoint {args.resume} has no '{key}' state: it can be evaluated (eval.py) but not resumed")
+            raise CheckpointError(f"checkpoint {resume} has no '{key}' state: it can be evaluated ({command_name('eval')}) but not resumed")
     cfg = config_from_dict(state["config"])
     if (run / CONFIG_NAME).is_file():  # a checkpoint copied in from another run would train under this run's name
         changes = config_changes(load_config(str(run / CONFIG_NAME)).to_dict(), cfg.to_dict())
@@ -454,19 +426,27 @@ def learned_lines(row: Dict[str, Any], ds, cfg: Config, reference: Optional[Dict
     return lines
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
+def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume: Optional[str] = None, verify: bool = True) -> int:
+    """Train a run, or continue one: the library's whole main job, which ``vitpe train`` calls. ``config``: a YAML path or
+    a shipped config's name (default: the main job, or the fine-tuning recipe when an ``init.source`` override is
+    given); ``overrides``: ``key=value`` items (``train.epochs=5``, ``name=my-run``, ``out_dir=runs``); ``resume``: a
+    run directory or checkpoint to continue exactly where it stopped (with its saved config: nothing else may be
+    given); ``verify=False`` resumes from a checkpoint whose checksum does not match. Everything is checked before a
+    run directory is made. Returns the exit code: 0 when done or stopped by the time limit, 128 + N when stopped by
+    signal N (the checkpoint is saved: resume it), 130 when aborted; errors are :class:`vitpe.errors.VitpeError`."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     distributed = world > 1
     log = print if rank == 0 else (lambda *a, **k: None)
 
     # ---- config: everything is checked before a run directory exists ----------------------------------
     source = None  # what a new run starts from (--init): read, never written; a resumed run has its own weights
-    if args.resume:
-        state, cfg, run = resume_state(args)
+    if resume:
+        if config or overrides:
+            raise ConfigError("a resumed run continues with its saved config; start a new run to change settings")
+        state, cfg, run = resume_state(resume, verify)
     else:
         state, run = None, None
-        cfg, source, lines = resolve_run(args)
+        cfg, source, lines = resolve_run(config, overrides)
         for line in lines:
             log(f"init: {line}")
     if cfg.train.batch_size % world:
@@ -483,7 +463,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     test_x, test_y = ds.split(False, size)
     notes = list(ds.notes)
     if state is not None:  # the head's rows are the checkpoint's classes, by name
-        notes += check_classes(state, ds, f"checkpoint {args.resume}", "restore the data the run was trained on, or start a new run")
+        notes += check_classes(state, ds, f"checkpoint {resume}", "restore the data the run was trained on, or start a new run")
     for line in notes:
         log(f"note: {line}")
     # Multi-resolution training: shapes is rendered natively at each size once; other data is resized per batch.
@@ -500,8 +480,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     steps_per_epoch = len(train_y) // cfg.train.batch_size
     if steps_per_epoch == 0:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the {len(train_y)} training images")
-    if not args.resume:  # a resumed run keeps the schedule its config.yaml holds
-        line = work_schedule(load_config(str(config_file(args))), cfg, cli_overrides(args), steps_per_epoch, len(train_y))
+    if not resume:  # a resumed run keeps the schedule its config.yaml holds
+        line = work_schedule(load_config(str(config_file(config, overrides))), cfg, overrides, steps_per_epoch, len(train_y))
         if line:
             log(line)
     total_steps = cfg.train.epochs * steps_per_epoch
@@ -556,15 +536,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     epoch, step, rows, partial = 0, 0, [], {}
     if state is not None:
-        load_model_state(model, state["model"], str(args.resume))
+        load_model_state(model, state["model"], str(resume))
         try:
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             scaler.load_state_dict(state["scaler"])
         except (ValueError, KeyError, RuntimeError) as e:
-            raise CheckpointError(f"checkpoint {args.resume} has optimizer state for another model ({str(e)[:100]}); start a new run") from None
+            raise CheckpointError(f"checkpoint {resume} has optimizer state for another model ({str(e)[:100]}); start a new run") from None
         if ema is not None:
-            load_model_state(ema.module, state["ema"], str(args.resume))
+            load_model_state(ema.module, state["ema"], str(resume))
         epoch, step, rows, partial = state["epoch"], state["step"], state["metrics"], state.get("partial_epoch") or {}
     last_saved = None if state is None else (state["epoch"], state["step"])
 
@@ -597,7 +577,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         if state is not None:
             log(f"resuming {run} at epoch {epoch + 1}, step {step}/{steps_per_epoch}")
-        elif args.resume:
+        elif resume:
             log(f"{run} has no checkpoint yet (it stopped before its first): starting it from step 0 with its saved config")
         if rank == 0 and cfg.train.tensorboard:
             board = TensorBoardLog(run, epoch)
@@ -935,12 +915,3 @@ def train_loop(job: Job) -> int:
         if hint:
             log(f"note: {hint}")
     return 0
-
-
-def cli(argv: Optional[List[str]] = None) -> int:
-    """The command line: errors are one line and an exit code (:func:`vitpe.errors.run_cli`)."""
-    return run_cli(main, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(cli())

@@ -8,7 +8,10 @@
     vitpe viz heatmap --pe rope_mixed            # python -m vitpe.viz
     vitpe configs                                # the shipped configs, by name for --config
 
-Each command's module is imported only when it runs, so ``vitpe --help`` answers at once.
+Each command's module is imported only when it runs, so ``vitpe --help`` answers at once. The commands live in this
+wing, a module each (:mod:`.train`, :mod:`.eval`, :mod:`.predict`, :mod:`.export`, :mod:`.viz`), and share one size
+parser and one error convention (:mod:`.common`); the work is the library's. ``train.py``, ``eval.py`` and
+``python -m vitpe.predict`` (``.export``, ``.viz``) are the clone's doors to the same commands.
 """
 from __future__ import annotations
 
@@ -20,11 +23,11 @@ __all__ = ["COMMANDS", "main"]
 
 # name -> (module, its function taking argv, what it does)
 COMMANDS: Dict[str, Tuple[str, str, str]] = {
-    "train": ("vitpe.training", "cli", "train a classifier, resume a run, or fine-tune from a model (--init)"),
-    "eval": ("vitpe.evaluation", "cli", "measure trained runs or exported models at several resolutions"),
-    "predict": ("vitpe.predict", "cli", "classify image files with a run or an exported model"),
-    "export": ("vitpe.export", "cli", "write a run as ONNX (any input size) or in timm's layout"),
-    "viz": ("vitpe.viz.cli", "cli", "draw a PE's similarity, attention distance and more"),
+    "train": ("vitpe.cli.train", "cli", "train a classifier, resume a run, or fine-tune from a model (--init)"),
+    "eval": ("vitpe.cli.eval", "cli", "measure trained runs or exported models at several resolutions"),
+    "predict": ("vitpe.cli.predict", "cli", "classify image files with a run or an exported model"),
+    "export": ("vitpe.cli.export", "cli", "write a run as ONNX (any input size) or in timm's layout"),
+    "viz": ("vitpe.cli.viz", "cli", "draw a PE's similarity, attention distance and more"),
     "configs": ("vitpe.cli", "list_configs", "list the shipped configs, which --config takes by name"),
 }
 

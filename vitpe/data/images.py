@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
+from torch import Tensor
+
 from ..errors import VitpeError
 
-__all__ = ["DataError", "IMAGE_EXTENSIONS", "open_image", "FolderImages", "read_folder", "drop_copies_of", "digest_of"]
+__all__ = ["DataError", "IMAGE_EXTENSIONS", "open_image", "FolderImages", "read_folder", "drop_copies_of", "digest_of", "read_images"]
 
 # What PIL decodes and users keep images in; a GIF gives its first frame.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".pbm", ".bmp", ".gif", ".tif", ".tiff", ".webp")
@@ -241,3 +244,16 @@ def digest_of(digests: Sequence[str], labels: Sequence[int]) -> str:
         h.update(f"{d}:{y};".encode())
     return h.hexdigest()[:16]
 
+
+def read_images(paths: Sequence[str], in_chans: int, size: Tuple[int, int]) -> Tensor:
+    """uint8 ``(N, in_chans, h, w)`` of image files, read as a run's data was: each decoded upright (:func:`open_image`:
+    EXIF orientation applied), converted (RGB or grayscale) and resized bicubically to ``size``."""
+    from PIL import Image
+    from torchvision.transforms.functional import pil_to_tensor
+
+    out = []
+    for path in paths:
+        rgb = open_image(path)
+        im = rgb if in_chans == 3 else rgb.convert("L")
+        out.append(pil_to_tensor(im.resize(size[::-1], Image.BICUBIC)))
+    return torch.stack(out)

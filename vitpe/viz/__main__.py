@@ -1,5 +1,6 @@
+"""The clone's door, ``python -m vitpe.viz``: the command itself is :mod:`vitpe.cli.viz`'s."""
 import sys
 
-from .cli import cli
+from vitpe.cli.viz import cli
 
 sys.exit(cli())

@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
-from .checkpoint import CHECKPOINT_NAME, CheckpointError, build_model, load_model_state, non_finite, shipped_cfg
-from .timm_models import GENERIC as ARCHITECTURE  # the timm name of a vitpe ViT built from its model_args
-from .vit import VisionTransformer
+from ..checkpoint import CHECKPOINT_NAME, CheckpointError, build_model, load_model_state, non_finite, shipped_cfg
+from ..vit import VisionTransformer
+from .models import GENERIC as ARCHITECTURE  # the timm name of a vitpe ViT built from its model_args
 
 __all__ = ["ARCHITECTURE", "CONFIG_FILE", "WEIGHTS_FILE", "save_pretrained", "from_pretrained", "preprocessing", "is_exported", "exported_run"]
 
@@ -159,7 +159,7 @@ def exported_run(directory: Union[str, Path]) -> Tuple[VisionTransformer, Dict[s
     ``in_chans``), no EMA."""
     import dataclasses
 
-    from .config import ModelConfig
+    from ..config import ModelConfig
 
     model = from_pretrained(directory)
     cfg, names = model.pretrained_cfg, {f.name for f in dataclasses.fields(ModelConfig)}

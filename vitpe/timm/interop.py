@@ -1,5 +1,5 @@
 """vitpe inside timm: equip a timm ViT with any vitpe PE, and give Swin-V2's position MLP to vitpe's ``cpb``
-(timm's ViTs as vitpe models: :mod:`vitpe.timm_convert`).
+(timm's ViTs as vitpe models: :mod:`vitpe.timm.convert`).
 
 Which timm weights a PE can take is the PE's own answer (:meth:`vitpe.PosEmbed.from_timm`), never a guess
 from key names.
@@ -12,11 +12,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .coords import CoordMode, PatchGrid, Size2, to_2tuple
-from .pos_embed import PosContext, PosEmbed, build_pos_embed
-from .vit import attend, compute_dtype, pin_traced_size, position_tokens
+from ..coords import CoordMode, PatchGrid, Size2, to_2tuple
+from ..pos_embed import PosContext, PosEmbed, build_pos_embed
+from ..vit import attend, compute_dtype, pin_traced_size, position_tokens
 
-__all__ = ["equip_timm_vit", "cpb_from_swinv2"]
+__all__ = ["equip_timm_vit", "cpb_from_swinv2", "fold_prefix_positions", "unwrap"]
 
 
 def fold_prefix_positions(pos: Tensor, tokens: Sequence[Optional[Tensor]], no_embed_class: bool = False) -> Tuple[List[Optional[Tensor]], Tensor]:
@@ -35,7 +35,7 @@ def fold_prefix_positions(pos: Tensor, tokens: Sequence[Optional[Tensor]], no_em
     return folded, pos[:, start:]
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap(model: nn.Module) -> nn.Module:
     """A ``features_only=True`` model wraps the ViT (timm's FeatureGetterNet keeps it at ``.model``)."""
     from timm.models.vision_transformer import VisionTransformer as TimmViT
 
@@ -131,7 +131,7 @@ def equip_timm_vit(
     """
     from timm.layers import Format
 
-    outer, model = model, _unwrap(model)
+    outer, model = model, unwrap(model)
     _check_timm_vit(model)
     coord_mode = CoordMode.parse(coord_mode)
     if not isinstance(getattr(model, "patch_drop", nn.Identity()), nn.Identity):

@@ -1,4 +1,4 @@
-"""``python -m vitpe.viz``: see what a positional encoding does: its matrix, the similarity map around a position, and how far
+"""``vitpe viz`` (``python -m vitpe.viz`` in a clone): see what a positional encoding does: its matrix, the similarity map around a position, and how far
 a trained model's heads attend.
 
     python -m vitpe.viz matrix --pe sincos2d --grid 16 --dim 128
@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from ..coords import COORD_MODES
-from ..errors import command_name, run_cli
+from ..errors import command_name
 from ..pos_embed import PosEmbed, build_pos_embed
-from .analysis import attention_distance, pe_matrix, pe_similarity
-from .plots import draw_distance, draw_maps, draw_matrix
+from ..viz import attention_distance, draw_distance, draw_maps, draw_matrix, pe_matrix, pe_similarity
+from .common import parse_size, positive_int, run_cli
 
 __all__ = ["main", "cli"]
 
@@ -66,8 +66,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             s.add_argument("--query", type=int, nargs=2, metavar=("ROW", "COL"), help="default: the grid centre")
     s = sub.add_parser("attention-distance")
     s.add_argument("checkpoints", nargs="+")
-    s.add_argument("--resolutions", type=int, nargs="+", help="default: the training size")
-    s.add_argument("--images", type=int, default=256, help="test images to average over")
+    s.add_argument("--resolutions", type=parse_size, nargs="+", metavar="N|HxW", help="default: the training size")
+    s.add_argument("--images", type=positive_int, default=256, help="test images to average over")
     s.add_argument("--out")
     args = p.parse_args(argv)
 
@@ -102,11 +102,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         model, state = model_from_checkpoint(ckpt)
         cfg = checkpoint_config(state)
         ds = dataset_of(cfg, test_size=args.images)
-        for res in args.resolutions or [cfg.model.img_size]:
-            model.grid_size((res, res))  # a clear error for sizes that are not multiples of the patch
-            images, _ = ds.split(False, (res, res))
+        for h, w in args.resolutions or [(cfg.model.img_size,) * 2]:
+            model.grid_size((h, w))  # a clear error for sizes that are not multiples of the patch
+            images, _ = ds.split(False, (h, w))
             d = attention_distance(model, normalize(images[: args.images], ds.mean, ds.std))
-            results[f"{cfg.model.pos_embed} @ {res}px" + (f" [{Path(ckpt).name}]" if len(args.checkpoints) > 1 else "")] = d
+            results[f"{cfg.model.pos_embed} @ {h if h == w else f'{h}x{w}'}px" + (f" [{Path(ckpt).name}]" if len(args.checkpoints) > 1 else "")] = d
     draw_distance(results, out / "attention_distance.png", "mean attention distance per layer (dots: heads)")
     (out / "attention_distance.json").write_text(json.dumps(_json_safe({k: v.tolist() for k, v in results.items()}), indent=1))
     for k, d in results.items():  # a head with no patch attention at all (NaN) is left out of its layer's mean
@@ -115,6 +115,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-
 def cli(argv: Optional[List[str]] = None) -> int:
+    """The command: errors are one line and an exit code (:func:`vitpe.cli.common.run_cli`)."""
     return run_cli(main, argv)

@@ -16,8 +16,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .pos_embed import list_pos_embeds
-from .vit import VisionTransformer
+from ..pos_embed import list_pos_embeds
+from ..vit import VisionTransformer
 
 __all__: List[str] = ["ARCHITECTURES", "timm_model_names"]
 

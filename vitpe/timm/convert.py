@@ -17,9 +17,9 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from .coords import Size2
-from .interop import _unwrap, fold_prefix_positions
-from .vit import VisionTransformer
+from ..coords import Size2
+from ..vit import VisionTransformer
+from .interop import fold_prefix_positions, unwrap
 
 __all__ = ["vit_from_timm", "timm_architecture", "timm_pos_embed", "convert_timm_state_dict", "load_timm_state_dict",
            "split_timm_state_dict", "timm_to_vitpe_state_dict"]
@@ -438,7 +438,7 @@ def split_timm_state_dict(sd: Dict[str, Tensor], num_prefix_tokens: int, no_embe
 
 def timm_to_vitpe_state_dict(sd: Dict[str, Tensor], grid: Size2, num_prefix_tokens: int, no_embed_class: bool = False) -> Dict[str, Tensor]:
     """Rename a timm ViT state dict for ``vitpe.VisionTransformer(pos_embed="learned")`` (table on ``grid``)."""
-    from .pos_embed import LearnedPosEmbed
+    from ..pos_embed import LearnedPosEmbed
 
     out, pe_weights = split_timm_state_dict(sd, num_prefix_tokens, no_embed_class)
     if "pos_embed" in pe_weights:
@@ -455,7 +455,7 @@ def load_timm_state_dict(model: VisionTransformer, state_dict: Dict[str, Tensor]
     frequencies, Swin biases) and keeps its own parameters for the rest; everything else must match exactly, or
     ``CheckpointError`` says what does not. ``perm``: the q/k channel order of timm's rotary pairs (:func:`timm_pos_embed`).
     """
-    from .checkpoint import load_model_state
+    from ..checkpoint import load_model_state
 
     sd, pe_weights = split_timm_state_dict(state_dict, model.num_prefix_tokens, no_embed_class, model.num_heads, perm)
     pe_state = {**model.pos_embed.state_dict(), **model.pos_embed.from_timm(pe_weights)}
@@ -478,7 +478,7 @@ def vit_from_timm(timm_model: nn.Module, **overrides: Any) -> VisionTransformer:
     """
     if isinstance(timm_model, VisionTransformer):
         raise ValueError("this is already a vitpe.VisionTransformer: use it as it is (vit_from_timm converts timm's models)")
-    m = _unwrap(timm_model)
+    m = unwrap(timm_model)
     if m is not timm_model:
         raise ValueError(f"this is a features_only model (timm's {type(timm_model).__name__}), which has no pooling or head: "
                          "convert the model built without features_only=True; vitpe's gives the same features "
