@@ -831,3 +831,19 @@ def test_finetune_study_small_data_smoke(tmp_path):
     assert all(f"| {arm} | {study.TRANSFER_WHAT[arm]} | 1 |" in table for arm in study.TRANSFER_ARMS)
     with pytest.raises(SystemExit):  # an arm of the other part
         study.main(["--smoke", "--data", "fashion", "--out", str(tmp_path), "--arms", "ft64"])
+
+
+def test_time_to_accuracy_smoke_records_each_lever_and_reuses_its_runs(tmp_path, capsys):
+    study = load_benchmark("time_to_accuracy")
+    assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "main job", "schedule", "--seeds", "0"]) == 0
+    rows = study.load_results(tmp_path / "results.csv")
+    assert {(r["row"], r["size"]) for r in rows} == {(row, s) for row in ("main job", "schedule") for s in (32, 48, 64)}
+    assert all(r["amp"] in ("none", "bf16") and r["train_time_s"] > 0 and r["epochs"] == 2 for r in rows)
+    table = (tmp_path / "table.md").read_text()
+    assert "| schedule | + sizes that grow" in table and "| 1 |" in table
+    schedule = load_checkpoint(tmp_path / "runs" / "main-schedule-seed0")["metrics"]
+    assert [m["train_sizes"] for m in schedule] == ["8-12", "16"]  # the smoke's own schedule, recorded per epoch
+    assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "schedule", "--seeds", "0"]) == 0
+    assert "in the record already" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        study.main(["--smoke", "--out", str(tmp_path), "--rows", "shedule"])

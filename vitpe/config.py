@@ -10,7 +10,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
 
@@ -21,7 +21,7 @@ from .suggest import did_you_mean
 from .vit import VisionTransformer, check_model_args
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "InitConfig", "Config", "load_config", "apply_overrides", "train_resolutions",
-           "shipped_configs", "shipped_config_names", "config_path"]
+           "resolution_stages", "sizes_at", "schedule_text", "size_span", "stage_sizes", "shipped_configs", "shipped_config_names", "config_path"]
 
 
 class ConfigError(VitpeError):
@@ -89,7 +89,7 @@ class TrainConfig:
     label_smoothing: float = 0.1
     grad_clip: float = 1.0  # max gradient norm (0: off)
     ema_decay: float = 0.0  # model EMA decay (0: off); evaluation then uses the EMA weights
-    amp: str = "auto"  # auto (bf16 on CUDA, off on CPU) | bf16 | fp16 | none
+    amp: str = "auto"  # auto (bf16 on CUDA; on a CPU measured in the first seconds of a run: bf16 where faster) | bf16 | fp16 | none
     compile: bool = False  # torch.compile the model
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -97,6 +97,10 @@ class TrainConfig:
     eval_tta: str = "none"  # one more evaluation after the last epoch, averaging over test-time views: none | flip | shift | flip_shift
     resolutions: Optional[List[int]] = None  # multi-resolution training: a size drawn per batch from this set
     resolution_range: Optional[List[int]] = None  # ... or from every multiple of the patch size in [lo, hi]
+    # Sizes that change over the run: stages [from, size] or [from, lo, hi], ``from`` the fraction of the epochs at which
+    # the stage begins (the first at 0), e.g. [[0, 16, 24], [0.6, 28], [0.9, 32]]: small and cheap first, the size the
+    # model will be used at last (FixRes). Each stage draws a size per batch as resolution_range does.
+    resolution_schedule: Optional[List[List[float]]] = None
     token_keep: float = 1.0  # keep this fraction of each image's patch tokens while training, a random subset per image (FLIP)
     max_tokens: Optional[int] = None  # pack images of mixed sizes and aspect ratios into rows of this many patch tokens (NaViT)
     time_limit_min: Optional[float] = None  # stop cleanly (with a checkpoint) after this many minutes
@@ -289,8 +293,15 @@ def _validate(cfg: Config) -> None:
     if t.steps is not None and t.budget_min is not None:
         raise ConfigError(f"train.steps={t.steps} and train.budget_min={t.budget_min:g} both decide the epochs; drop one")
     p = cfg.model.patch_size
-    if cfg.train.resolutions is not None and cfg.train.resolution_range is not None:
-        raise ConfigError("set train.resolutions or train.resolution_range, not both")
+    given = [k for k in ("resolutions", "resolution_range", "resolution_schedule") if getattr(cfg.train, k) is not None]
+    if len(given) > 1:
+        raise ConfigError(f"set one of train.{' and train.'.join(given)}: each says which sizes training draws (a schedule's "
+                          "stages take a size or a range each)")
+    if t.resolution_schedule is not None:
+        _check_schedule(t.resolution_schedule, p)
+        if t.budget_min is not None:
+            raise ConfigError("train.budget_min fits the epochs to a step rate measured at the first sizes, which a "
+                              "train.resolution_schedule changes: give train.epochs with a schedule")
     bad = [r for r in (cfg.train.resolutions or []) if r < p or r % p]
     if bad or cfg.train.resolutions == []:
         raise ConfigError(f"train.resolutions must be non-empty multiples of model.patch_size={p}, got {cfg.train.resolutions}")
@@ -323,9 +334,76 @@ def frozen_spec(value: str, depth: Optional[int] = None) -> Union[str, int]:
                      f"(the embeddings and the first N blocks frozen){top}")
 
 
+def _check_schedule(stages: List[List[float]], patch: int) -> None:
+    example = "e.g. [[0, 16, 24], [0.6, 28], [0.9, 32]]"
+    if not stages:
+        raise ConfigError(f"train.resolution_schedule must hold at least one stage [from, size] or [from, lo, hi], {example}")
+    starts = []
+    for stage in stages:
+        if len(stage) not in (2, 3) or any(v != int(v) or v < 1 for v in stage[1:]):
+            raise ConfigError(f"train.resolution_schedule's stage {stage} must be [from, size] or [from, lo, hi] with whole "
+                              f"sizes, {example}")
+        if not stage_sizes(stage, patch):
+            raise ConfigError(f"train.resolution_schedule's stage {stage} holds no multiple of model.patch_size={patch}")
+        starts.append(stage[0])
+    if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= 1:
+        raise ConfigError(f"train.resolution_schedule's stages must begin at fractions of the run that rise from 0 and stay "
+                          f"below 1, got {starts}; {example}")
+
+
+def stage_sizes(stage: Sequence[float], patch: int) -> List[int]:
+    """The sizes one stage ``[from, size]`` or ``[from, lo, hi]`` draws from: the multiples of ``patch`` in its range."""
+    lo, hi = int(stage[1]), int(stage[-1])
+    return [r for r in range(max(patch, -(-lo // patch) * patch), hi + 1, patch)]
+
+
+def resolution_stages(cfg: Config) -> List[Tuple[int, List[int]]]:
+    """``(first epoch, sizes)`` of each stage of ``cfg``'s sizes over its ``train.epochs`` (one stage unless
+    ``train.resolution_schedule`` is set): a stage begins at the epoch nearest its fraction of the run, and one that
+    rounds to no epoch at all is left out."""
+    t, p = cfg.train, cfg.model.patch_size
+    if not t.resolution_schedule:
+        return [(0, train_resolutions(cfg))]
+    out: List[Tuple[int, List[int]]] = []
+    for stage in t.resolution_schedule:
+        first = min(round(stage[0] * t.epochs), t.epochs - 1) if t.epochs > 0 else 0
+        if out and first <= out[-1][0]:
+            out.pop()  # the earlier stage rounds to no epoch: this one takes its place
+        out.append((first, stage_sizes(stage, p)))
+    return out
+
+
+def sizes_at(cfg: Config, epoch: int) -> List[int]:
+    """The sizes training draws from in ``epoch`` (0-based)."""
+    return [sizes for first, sizes in resolution_stages(cfg) if first <= epoch][-1]
+
+
+def size_span(sizes: Sequence[int]) -> str:
+    """``"16-24"`` (the smallest and largest of ``sizes``), or ``"32"`` for one size."""
+    return f"{min(sizes)}" if len(set(sizes)) == 1 else f"{min(sizes)}-{max(sizes)}"
+
+
+def schedule_text(cfg: Config) -> Optional[str]:
+    """A run's sizes over its epochs, as its records and ``vitpe eval`` state them: ``"16-24 px in epochs 1-5, 28 in 6-9,
+    32 in 10"``; None without a schedule."""
+    if not cfg.train.resolution_schedule:
+        return None
+    stages = resolution_stages(cfg)
+    ends = [first for first, _ in stages[1:]] + [cfg.train.epochs]
+    parts = []
+    for k, ((first, sizes), end) in enumerate(zip(stages, ends)):
+        size = size_span(sizes)
+        epochs = f"{first + 1}" if end == first + 1 else f"{first + 1}-{end}"
+        parts.append(f"{size}{' px' if k == 0 else ''} in epoch{'s' if end > first + 1 else ''} {epochs}")
+    return ", ".join(parts)
+
+
 def train_resolutions(cfg: Config) -> List[int]:
-    """The input sizes training draws from (just model.img_size unless multi-resolution is on)."""
+    """The input sizes training draws from at some point of the run (just model.img_size unless multi-resolution or a
+    schedule is on)."""
     p = cfg.model.patch_size
+    if cfg.train.resolution_schedule:
+        return sorted({s for stage in cfg.train.resolution_schedule for s in stage_sizes(stage, p)})
     if cfg.train.resolutions:
         return sorted(set(cfg.train.resolutions))
     if cfg.train.resolution_range:

@@ -7,6 +7,7 @@ import contextlib
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -32,12 +33,50 @@ AMP_MODES = ("auto", "bf16", "fp16", "none")
 
 
 def amp_dtype(amp: str, device: torch.device) -> Optional[torch.dtype]:
-    """auto: bf16 on CUDA; on CPU off, since without native bf16 matmuls it is slower, not faster."""
+    """auto: bf16 on CUDA; on CPU off here (a training run measures instead: :func:`pick_cpu_amp`), since without native
+    bf16 matmuls it is slower, not faster."""
     if amp == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
     if amp == "fp16" and device.type != "cuda":
         raise ValueError("amp=fp16 needs a CUDA device; use bf16 or none on CPU")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}[amp]
+
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")  # x86's AMX and AVX-512 bf16 units; Arm's bf16 instructions
+
+
+def cpu_bf16_units() -> Optional[str]:
+    """The bf16 instructions this CPU reports (``"amx_bf16"``, ``"avx512_bf16"``, ``"bf16"``), ``""`` when it reports
+    none (bf16 is then emulated: 13-25x slower on an AVX2 machine), None where the CPU's flags cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = {w for line in text.splitlines() if line.split(":")[0].strip() in ("flags", "Features") for w in line.split(":", 1)[1].split()}
+    return next((f for f in BF16_FLAGS if f in flags), "")
+
+
+def pick_cpu_amp(step: Callable[[Optional[torch.dtype]], None], rounds: int = 3, margin: float = 0.9) -> Tuple[Optional[torch.dtype], str]:
+    """``train.amp=auto`` on a CPU: bf16 autocast where it is faster for this model, fp32 elsewhere. ``step(dtype)`` runs
+    one training step's forward and backward; rounds of fp32 and bf16 alternate (A B A B, after one of each to warm
+    up) and bf16 is taken when its median step takes under ``margin`` of fp32's. A CPU without bf16 units is not
+    measured (emulated bf16 is far slower). Returns the dtype (None: fp32) and the line that says why."""
+    units = cpu_bf16_units()
+    if units == "":
+        return None, "amp=auto: fp32 (this CPU has no bf16 units; amp=bf16 forces bf16)"
+    times: Dict[Optional[torch.dtype], List[float]] = {None: [], torch.bfloat16: []}
+    for k in range(rounds + 1):
+        for dtype in (None, torch.bfloat16):
+            t0 = time.perf_counter()
+            step(dtype)
+            if k:  # the first round warms up each path (allocation, kernel choice)
+                times[dtype].append(time.perf_counter() - t0)
+    fp32, bf16 = (sorted(v)[len(v) // 2] for v in times.values())
+    speed = fp32 / bf16
+    # bf16 must win clearly: a decision near 1x would flip between two runs of one config with the timing noise
+    chosen = torch.bfloat16 if bf16 < margin * fp32 else None
+    return chosen, (f"amp=auto: bf16 autocast ran a step at {speed:.2f}x the speed of fp32 ({units or 'bf16 units unknown'}; median of "
+                    f"{rounds} alternating rounds): {'bf16' if chosen else 'fp32'} (amp=bf16 or amp=none forces one)")
 
 
 def autocast(device: torch.device, dtype: Optional[torch.dtype]):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .checkpoint import model_from_checkpoint
-from .config import Config, train_resolutions
+from .config import Config, size_span, train_resolutions
 from .coords import snap
 from .data import load_dataset
 from .data.augment import normalize, tta_views
@@ -254,10 +254,11 @@ def sweep_summary(rows: List[Dict]) -> List[Dict]:
 
 
 def trained_span(cfg: Config) -> Optional[str]:
-    """``"LO-HI"``, the sizes a run trained at (``train.resolutions`` or ``train.resolution_range``), or None when it
-    trained at one: a result row's ``train_sizes``, shaded on the plots."""
+    """``"LO-HI"``, the sizes a run trained at (``train.resolutions``, ``train.resolution_range`` or the stages of
+    ``train.resolution_schedule``), or None when it trained at one: a result row's ``train_sizes``, shaded on the plots
+    (when it trained at which: :func:`vitpe.config.schedule_text`, a row's ``train_schedule``)."""
     sizes = train_resolutions(cfg)
-    return f"{min(sizes)}-{max(sizes)}" if len(sizes) > 1 else None
+    return size_span(sizes) if len(sizes) > 1 else None
 
 
 def patch_fits(model, h: int, w: int) -> bool:

@@ -41,14 +41,17 @@ from vitpe.config import (
     config_path,
     load_config,
     save_config,
+    schedule_text,
     shipped_configs,
+    size_span,
+    sizes_at,
     train_resolutions,
 )
 from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, crop_boxes, normalize
 from vitpe.data.datasets import TRAIN_SIZES
 from vitpe.data.mixed import draw_sizes, mixed_batch
-from vitpe.engine import Heartbeat, amp_dtype, autocast, gib, memory_available, resolve_device, seed_step, train_step_bytes
+from vitpe.engine import Heartbeat, amp_dtype, autocast, gib, memory_available, pick_cpu_amp, resolve_device, seed_step, train_step_bytes
 from vitpe.errors import VitpeError, command_name
 from vitpe.evaluation import evaluate
 from vitpe.finetune import FINE_TUNABLE, Source, freeze, read_source, source_model_args, start_model
@@ -161,6 +164,35 @@ def config_from_source(cfg: Config, source: Source, model_overrides: Sequence[st
         lines.append(f"data: {out.data.name} ({', '.join(f'{k}={getattr(out.data, k)}' for k in took_data if k != 'name')}), as "
                      f"{source.spec} trained on (--data NAME for other data)")
     return out, lines
+
+
+AMP_NAMES = {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}  # a checkpoint's record of the autocast it trained with
+
+
+def _cpu_amp(model: VisionTransformer, ds: Any, train_x: torch.Tensor, train_y: torch.Tensor, sizes: List[int], batch: int,
+             cfg: Config, world: int, state: Optional[Dict[str, Any]], log: Callable[..., None]) -> Optional[torch.dtype]:
+    """``train.amp=auto`` on a CPU: what a resumed run trained with, else bf16 autocast where a few measured steps of
+    this model say it is faster (:func:`vitpe.engine.pick_cpu_amp`), at the middle of the training sizes. The probe
+    changes no weight (its gradients are dropped) and every step of training seeds itself, so the run is the same."""
+    if state is not None:  # a checkpoint from before the probe existed trained in fp32, as amp=auto then did on a CPU
+        return torch.bfloat16 if state.get("amp") == "bf16" else None
+    if world > 1:  # one decision for every process would need the process group, which does not exist yet
+        log("amp=auto: fp32 under torchrun on CPUs (amp=bf16 forces bf16)")
+        return None
+    size = sizes[len(sizes) // 2]
+    x = normalize(resize_images(train_x[:batch], (size, size)), ds.mean, ds.std)
+    y = train_y[:batch]
+    keep = cfg.train.token_keep
+
+    def step(dtype: Optional[torch.dtype]) -> None:
+        with autocast(torch.device("cpu"), dtype):
+            logits = model(x) if keep == 1 else model(x, token_keep=keep)
+        torch.nn.functional.cross_entropy(logits.float(), y).backward()
+        model.zero_grad(set_to_none=True)
+
+    dtype, line = pick_cpu_amp(step)
+    log(line + f" [at {size} px, {batch} images]")
+    return dtype
 
 
 def run_name(cfg: Config) -> str:
@@ -518,6 +550,8 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
         log(f"warning: a training step at {max(sizes)} px may hold up to {gib(step_bytes)} ({per_process} "
             f"images x {len(model.blocks)} blocks) and {device} has {gib(available)} available; if it runs "
             "out of memory, lower train.batch_size or model.img_size, or raise model.patch_size")
+    if cfg.train.amp == "auto" and device.type == "cpu":
+        dtype = _cpu_amp(model, ds, train_x, train_y, sizes, per_process, cfg, world, state, log)
     with _quiet("timm.optim._param_groups"):
         optimizer = create_optimizer_v2(model, "adamw", lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, layer_decay=cfg.train.layer_decay)
     warmup = round(cfg.train.warmup_epochs * steps_per_epoch)
@@ -583,7 +617,7 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
             board = TensorBoardLog(run, epoch)
         return train_loop(Job(
             cfg=cfg, run=run, rank=rank, world=world, device=device, dtype=dtype, log=log, ds=ds, train_at=train_at,
-            train_y=train_y, test_x=test_x, test_y=test_y, sizes=sizes, augment=augment, model=model, model_args=model_args,
+            train_y=train_y, test_x=test_x, test_y=test_y, sizes=sizes_at(cfg, epoch), augment=augment, model=model, model_args=model_args,
             optimizer=optimizer, scheduler=scheduler, scaler=scaler, ema=ema, mixup=mixup, criterion=criterion,
             steps_per_epoch=steps_per_epoch, epoch=epoch, step=step, rows=rows, partial=partial, last_saved=last_saved, budget=budget,
             board=board,
@@ -649,7 +683,7 @@ class Job:
     train_y: torch.Tensor
     test_x: torch.Tensor
     test_y: torch.Tensor
-    sizes: List[int]
+    sizes: List[int]  # what this epoch's batches draw their size from (train.resolution_schedule changes it by epoch)
     augment: Any
     model: VisionTransformer
     model_args: Dict[str, Any]
@@ -712,7 +746,7 @@ class Job:
                 "config": self.cfg.to_dict(), "model_args": self.model_args, "data": self.ds.describe(), "model": model.state_dict(),
                 "ema": ema.module.state_dict() if ema is not None else None, "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "epoch": self.epoch, "step": self.step,
-                "metrics": self.rows, "partial_epoch": partial, "budget": self.budget,
+                "metrics": self.rows, "partial_epoch": partial, "budget": self.budget, "amp": AMP_NAMES[self.dtype],
             }, self.run / CHECKPOINT_NAME)
         self.last_saved = (self.epoch, self.step)
 
@@ -790,6 +824,7 @@ class Job:
                 "test_loss": test["loss"], "test_top1": test["top1"], **({"test_top5": test["top5"]} if "top5" in test else {}),
                 **({f"test_top1_tta_{tta}": test["top1_tta"]} if "top1_tta" in test else {}),
                 "test_per_class_top1": [round(a, 4) for a in test["per_class_top1"]], "lr": self.optimizer.param_groups[0]["lr"],
+                **({"train_sizes": size_span(self.sizes)} if cfg.train.resolution_schedule else {}),
                 "images_per_s": tally.seen * self.world / elapsed, "data_time_frac": tally.data_s / elapsed, "epoch_s": elapsed,
                 "wall_s": time.time() - started,
             })
@@ -818,7 +853,7 @@ def train_loop(job: Job) -> int:
         # backward at the second size of a multi-resolution run (a specialised input stride).
         from torch import _dynamo
 
-        _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 2 * len(job.sizes) + 4)
+        _dynamo.config.cache_size_limit = max(_dynamo.config.cache_size_limit, 2 * len(train_resolutions(cfg)) + 4)
         net = torch.compile(job.model, dynamic=False)
     if distributed:
         net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[job.device.index] if job.device.type == "cuda" else None)
@@ -828,7 +863,7 @@ def train_loop(job: Job) -> int:
         f"amp={job.dtype}, "
         + (f"epochs to fit train.budget_min={cfg.train.budget_min:g} (measured in the first steps)" if cfg.train.budget_min and job.budget is None
            else f"{cfg.train.epochs} epochs") + f" x {job.steps_per_epoch} steps"
-        + (f", resolutions {job.sizes}" if len(job.sizes) > 1 else "")
+        + (f", sizes {schedule_text(cfg)}" if cfg.train.resolution_schedule else f", resolutions {job.sizes}" if len(job.sizes) > 1 else "")
         + (f", mixed sizes packed into rows of {cfg.train.max_tokens} tokens" if cfg.train.max_tokens else "")
         + (f", keeping {cfg.train.token_keep:g} of each image's tokens" if cfg.train.token_keep < 1 else ""))
 
@@ -841,6 +876,7 @@ def train_loop(job: Job) -> int:
         try:
             while job.epoch < cfg.train.epochs:
                 net.train()
+                job.sizes = sizes_at(cfg, job.epoch)
                 perm = torch.randperm(len(job.train_y), generator=torch.Generator().manual_seed(cfg.train.seed * 1009 + job.epoch))
                 tally = Tally(**job.partial)  # a resumed epoch goes on counting from where it stopped
                 loss_sum = torch.tensor(tally.loss_sum, device=job.device, dtype=torch.float64)

@@ -31,7 +31,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..checkpoint import check_classes, checkpoint_config, find_checkpoint, model_from_checkpoint
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, schedule_text
 from ..coords import COORD_MODES, snap
 from ..data import load_dataset
 from ..data.augment import TTA_MODES
@@ -275,7 +275,7 @@ def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, 
                              **controls,
                              "pe_options": ";".join(args.pe_options) or None, "chance": 1 / ds.num_classes,
                              "weights": "ema" if run.state.get("ema") is not None and not args.no_ema else "raw",
-                             "train_size": train_size, "train_sizes": trained_span(cfg),
+                             "train_size": train_size, "train_sizes": trained_span(cfg), "train_schedule": schedule_text(cfg),
                              "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
                 on_row(rows)
                 if not sys.stdout.isatty():  # a log (nohup, a cluster job): a line per result, not silence until the table
