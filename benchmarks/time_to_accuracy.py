@@ -38,15 +38,28 @@ RECORD = ROOT / "docs" / "time_to_accuracy" / "results.csv"
 CONFIGS = ROOT / "configs"
 # The main job's sizes, small first: 40% of the epochs at 16-24 px, 35% at 16-40, the last quarter at the main job's
 # own 16-48 (the sizes it must keep its accuracy at). Its steps cost about two thirds of the main job's (tokens ~ side^2).
-MAIN_SCHEDULE = "train.resolution_schedule=[[0, 16, 24], [0.4, 16, 40], [0.75, 16, 48]]"
+MAIN_SCHEDULE = ("train.resolution_range=null", "train.resolution_schedule=[[0, 16, 24], [0.4, 16, 40], [0.75, 16, 48]]",
+                 "train.amp=none")  # as the main job's amp=auto chose on every seed: one lever at a time
+FMNIST_SCHEDULE = "train.resolution_schedule=[[0, 16, 20], [0.5, 24], [0.85, 28]]"
 # suite -> (rows: name -> (the lever it adds, the run), the sizes it is judged at, its target)
 SUITES: Dict[str, Tuple[Dict[str, Tuple[str, TrainSpec]], Tuple[int, ...], str]] = {
     "main": ({
         "main job": ("the main job as shipped (configs/shapes.yaml: 8 epochs, a size per batch in 16-48 px)", TrainSpec(str(CONFIGS / "shapes.yaml"))),
-        "schedule": ("+ sizes that grow: 16-24 px, then 16-40, then 16-48", TrainSpec(str(CONFIGS / "shapes.yaml"), (MAIN_SCHEDULE,))),
+        "schedule": ("+ sizes that grow: 16-24 px, then 16-40, then 16-48", TrainSpec(str(CONFIGS / "shapes.yaml"), MAIN_SCHEDULE)),
         "bf16": ("the main job with bf16 autocast forced (amp=auto measures fp32 faster at this width)",
                  TrainSpec(str(CONFIGS / "shapes.yaml"), ("train.amp=bf16",))),
     }, (32, 48, 64), "the main job's top-1 at 32 px and its transfer to 48 and 64 (within 0.5 points) in at most 4 minutes"),
+    "fmnist15": ({
+        "recipe": ("the 15-minute recipe as shipped (configs/fashion_mnist_cpu.yaml: 0.30M parameters, train.budget_min=15)",
+                   TrainSpec(str(CONFIGS / "fashion_mnist_cpu.yaml"))),
+        "schedule": ("+ sizes that grow: 16-20 px, then 24, the last 15% at 28 (the budget counts each at its cost)",
+                     TrainSpec(str(CONFIGS / "fashion_mnist_cpu.yaml"), (FMNIST_SCHEDULE,))),
+    }, (28,), "Fashion-MNIST top-1 at 28 px in 15 minutes of wall time under 1M parameters (target 92.5%)"),
+    "fmnist60": ({
+        "recipe": ("the 60-minute recipe as shipped (configs/fashion_mnist_cpu_60.yaml: 0.80M parameters, train.budget_min=60)",
+                   TrainSpec(str(CONFIGS / "fashion_mnist_cpu_60.yaml"))),
+        "schedule": ("+ sizes that grow: 16-20 px, then 24, the last 15% at 28", TrainSpec(str(CONFIGS / "fashion_mnist_cpu_60.yaml"), (FMNIST_SCHEDULE,))),
+    }, (28,), "Fashion-MNIST top-1 at 28 px in 60 minutes of wall time under 1M parameters (target 93.5%)"),
 }
 FIELDS = ("suite", "row", "seed", "cpu", "amp", "epochs", "train_time_s", "size", "n", "top1", "top1_tta")
 

@@ -847,3 +847,14 @@ def test_time_to_accuracy_smoke_records_each_lever_and_reuses_its_runs(tmp_path,
     assert "in the record already" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         study.main(["--smoke", "--out", str(tmp_path), "--rows", "shedule"])
+
+
+def test_every_time_to_accuracy_row_is_a_config_vitpe_accepts():
+    """A row's overrides meet its config only when its run starts, minutes into a study: each is resolved here."""
+    from vitpe.training import resolve_config
+
+    study = load_benchmark("time_to_accuracy")
+    for suite, (rows, _, _) in study.SUITES.items():
+        for row, (_, spec) in rows.items():
+            cfg = resolve_config(spec.config, spec.overrides)
+            assert ("schedule" in row) == (cfg.train.resolution_schedule is not None), (suite, row)

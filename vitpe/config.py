@@ -21,7 +21,8 @@ from .suggest import did_you_mean
 from .vit import VisionTransformer, check_model_args
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "InitConfig", "Config", "load_config", "apply_overrides", "train_resolutions",
-           "resolution_stages", "sizes_at", "schedule_text", "size_span", "stage_sizes", "shipped_configs", "shipped_config_names", "config_path"]
+           "resolution_stages", "sizes_at", "schedule_text", "size_span", "stage_sizes", "step_cost", "budget_epochs", "batch_at", "shipped_configs",
+           "shipped_config_names", "config_path"]
 
 
 class ConfigError(VitpeError):
@@ -101,6 +102,9 @@ class TrainConfig:
     # the stage begins (the first at 0), e.g. [[0, 16, 24], [0.6, 28], [0.9, 32]]: small and cheap first, the size the
     # model will be used at last (FixRes). Each stage draws a size per batch as resolution_range does.
     resolution_schedule: Optional[List[List[float]]] = None
+    # What a step of a schedule keeps: its images (train.batch_size at every size) or its patch tokens (as many tokens
+    # as train.batch_size images at the schedule's largest size: more images a step at the smaller sizes, fewer steps).
+    schedule_batch: str = "images"  # images | tokens
     token_keep: float = 1.0  # keep this fraction of each image's patch tokens while training, a random subset per image (FLIP)
     max_tokens: Optional[int] = None  # pack images of mixed sizes and aspect ratios into rows of this many patch tokens (NaViT)
     time_limit_min: Optional[float] = None  # stop cleanly (with a checkpoint) after this many minutes
@@ -234,6 +238,7 @@ def _validate(cfg: Config) -> None:
         "data.augment": (cfg.data.augment, AUGMENTS),
         "train.amp": (cfg.train.amp, AMP_MODES),
         "train.eval_tta": (cfg.train.eval_tta, TTA_MODES),
+        "train.schedule_batch": (cfg.train.schedule_batch, ("images", "tokens")),
     }
     for key, (value, valid) in choices.items():
         if value not in valid:
@@ -299,9 +304,11 @@ def _validate(cfg: Config) -> None:
                           "stages take a size or a range each)")
     if t.resolution_schedule is not None:
         _check_schedule(t.resolution_schedule, p)
-        if t.budget_min is not None:
-            raise ConfigError("train.budget_min fits the epochs to a step rate measured at the first sizes, which a "
-                              "train.resolution_schedule changes: give train.epochs with a schedule")
+    if t.schedule_batch == "tokens" and t.resolution_schedule is None:
+        raise ConfigError("train.schedule_batch=tokens sizes each stage's batch of a train.resolution_schedule; set one, or drop it")
+    if t.schedule_batch == "tokens" and t.steps is not None:
+        raise ConfigError(f"train.steps={t.steps} counts steps of one size and train.schedule_batch=tokens changes their size by "
+                          "stage: give train.epochs, or keep the batch in images")
     bad = [r for r in (cfg.train.resolutions or []) if r < p or r % p]
     if bad or cfg.train.resolutions == []:
         raise ConfigError(f"train.resolutions must be non-empty multiples of model.patch_size={p}, got {cfg.train.resolutions}")
@@ -357,16 +364,17 @@ def stage_sizes(stage: Sequence[float], patch: int) -> List[int]:
     return [r for r in range(max(patch, -(-lo // patch) * patch), hi + 1, patch)]
 
 
-def resolution_stages(cfg: Config) -> List[Tuple[int, List[int]]]:
-    """``(first epoch, sizes)`` of each stage of ``cfg``'s sizes over its ``train.epochs`` (one stage unless
-    ``train.resolution_schedule`` is set): a stage begins at the epoch nearest its fraction of the run, and one that
-    rounds to no epoch at all is left out."""
+def resolution_stages(cfg: Config, epochs: Optional[int] = None) -> List[Tuple[int, List[int]]]:
+    """``(first epoch, sizes)`` of each stage of ``cfg``'s sizes over its ``train.epochs`` (or ``epochs``; one stage
+    unless ``train.resolution_schedule`` is set): a stage begins at the epoch nearest its fraction of the run, and one
+    that rounds to no epoch at all is left out."""
     t, p = cfg.train, cfg.model.patch_size
+    epochs = t.epochs if epochs is None else epochs
     if not t.resolution_schedule:
         return [(0, train_resolutions(cfg))]
     out: List[Tuple[int, List[int]]] = []
     for stage in t.resolution_schedule:
-        first = min(round(stage[0] * t.epochs), t.epochs - 1) if t.epochs > 0 else 0
+        first = min(round(stage[0] * epochs), epochs - 1) if epochs > 0 else 0
         if out and first <= out[-1][0]:
             out.pop()  # the earlier stage rounds to no epoch: this one takes its place
         out.append((first, stage_sizes(stage, p)))
@@ -376,6 +384,48 @@ def resolution_stages(cfg: Config) -> List[Tuple[int, List[int]]]:
 def sizes_at(cfg: Config, epoch: int) -> List[int]:
     """The sizes training draws from in ``epoch`` (0-based)."""
     return [sizes for first, sizes in resolution_stages(cfg) if first <= epoch][-1]
+
+
+def step_cost(cfg: Config, size: int) -> float:
+    """A training step's cost per image at ``size`` px, relative: a block's multiply-adds for the T tokens the model
+    keeps, (4 + 2 m) d^2 T for the projections and the MLP (width d, mlp_ratio m) and 2 T^2 d for attention's scores and
+    weighted sums, over d: ``(4 + 2 m) d T + 2 T^2``. Fixed costs per step (the optimizer, the data) are left out."""
+    m = cfg.model
+    tokens = (size // m.patch_size) ** 2 * m.content_keep * cfg.train.token_keep
+    return (4 + 2 * m.mlp_ratio) * m.embed_dim * tokens + 2 * tokens**2
+
+
+def budget_epochs(cfg: Config, images_per_s: float, epoch_images: int, seconds: float, measured_at: Sequence[int]) -> Tuple[int, float]:
+    """The most whole epochs (at least one) whose steps fit in ``seconds`` when training draws its sizes from
+    ``measured_at`` at ``images_per_s``, and the seconds of steps they take. With a ``train.resolution_schedule`` each
+    stage's rate is that one scaled by the cost of its sizes (:func:`step_cost`, the mean over the sizes a stage draws),
+    with the stages laid over the epochs being fitted."""
+    cost = {s: step_cost(cfg, s) for s in train_resolutions(cfg)}
+    first = sum(cost[s] for s in measured_at) / len(measured_at)
+
+    def took(epochs: int) -> float:
+        stages = resolution_stages(cfg, epochs)
+        ends = [f for f, _ in stages[1:]] + [epochs]
+        return sum((end - f) * epoch_images / images_per_s * (sum(cost[s] for s in sizes) / len(sizes)) / first
+                   for (f, sizes), end in zip(stages, ends))
+
+    epochs = 1
+    while took(epochs + 1) <= seconds and epochs < 100_000:
+        epochs += 1
+    return epochs, took(epochs)
+
+
+def batch_at(cfg: Config, epoch: int, world: int = 1) -> int:
+    """Images per optimizer step in ``epoch`` (0-based): ``train.batch_size``; with ``train.schedule_batch=tokens`` the
+    images whose patch tokens match ``train.batch_size`` images at the schedule's largest size (by the mean tokens of
+    the sizes the epoch draws), a whole number per process (an even one where mixup pairs images)."""
+    t = cfg.train
+    if t.schedule_batch != "tokens":
+        return t.batch_size
+    sizes, largest = sizes_at(cfg, epoch), max(train_resolutions(cfg))
+    unit = world * (2 if cfg.data.mixup > 0 or cfg.data.cutmix > 0 else 1)
+    images = t.batch_size * largest**2 / (sum(s * s for s in sizes) / len(sizes))
+    return max(unit, int(images) // unit * unit)
 
 
 def size_span(sizes: Sequence[int]) -> str:

@@ -56,27 +56,30 @@ def cpu_bf16_units() -> Optional[str]:
     return next((f for f in BF16_FLAGS if f in flags), "")
 
 
-def pick_cpu_amp(step: Callable[[Optional[torch.dtype]], None], rounds: int = 3, margin: float = 0.9) -> Tuple[Optional[torch.dtype], str]:
+def pick_cpu_amp(step: Callable[[Optional[torch.dtype]], None], rounds: int = 4, warmup: int = 2, margin: float = 0.9
+                 ) -> Tuple[Optional[torch.dtype], str]:
     """``train.amp=auto`` on a CPU: bf16 autocast where it is faster for this model, fp32 elsewhere. ``step(dtype)`` runs
-    one training step's forward and backward; rounds of fp32 and bf16 alternate (A B A B, after one of each to warm
-    up) and bf16 is taken when its median step takes under ``margin`` of fp32's. A CPU without bf16 units is not
-    measured (emulated bf16 is far slower). Returns the dtype (None: fp32) and the line that says why."""
+    one training step's forward and backward; after ``warmup`` rounds of each, ``rounds`` rounds alternate fp32 and bf16
+    (A B A B), and bf16 is taken when both its fastest and its median step take under ``margin`` of fp32's: a lucky or
+    an unlucky round alone cannot decide. A CPU without bf16 units is not measured (emulated bf16 is far slower).
+    Returns the dtype (None: fp32) and the line that says why."""
     units = cpu_bf16_units()
     if units == "":
         return None, "amp=auto: fp32 (this CPU has no bf16 units; amp=bf16 forces bf16)"
     times: Dict[Optional[torch.dtype], List[float]] = {None: [], torch.bfloat16: []}
-    for k in range(rounds + 1):
+    for k in range(warmup + rounds):
         for dtype in (None, torch.bfloat16):
             t0 = time.perf_counter()
             step(dtype)
-            if k:  # the first round warms up each path (allocation, kernel choice)
+            if k >= warmup:  # the first rounds warm each path up (allocation, kernel choice)
                 times[dtype].append(time.perf_counter() - t0)
-    fp32, bf16 = (sorted(v)[len(v) // 2] for v in times.values())
-    speed = fp32 / bf16
-    # bf16 must win clearly: a decision near 1x would flip between two runs of one config with the timing noise
-    chosen = torch.bfloat16 if bf16 < margin * fp32 else None
-    return chosen, (f"amp=auto: bf16 autocast ran a step at {speed:.2f}x the speed of fp32 ({units or 'bf16 units unknown'}; median of "
-                    f"{rounds} alternating rounds): {'bf16' if chosen else 'fp32'} (amp=bf16 or amp=none forces one)")
+    fp32, bf16 = (sorted(v) for v in times.values())
+    fastest, median = fp32[0] / bf16[0], fp32[len(fp32) // 2] / bf16[len(bf16) // 2]
+    # bf16 must win clearly and steadily: a decision near 1x would flip between two runs of one config with the noise
+    chosen = torch.bfloat16 if min(fastest, median) > 1 / margin else None
+    return chosen, (f"amp=auto: bf16 autocast ran a step at {median:.2f}x the speed of fp32 ({fastest:.2f}x fastest against fastest; "
+                    f"{units or 'bf16 units unknown'}; {rounds} alternating rounds): {'bf16' if chosen else 'fp32'} (amp=bf16 or "
+                    "amp=none forces one)")
 
 
 def autocast(device: torch.device, dtype: Optional[torch.dtype]):

@@ -37,6 +37,8 @@ from vitpe.config import (
     ConfigError,
     ModelConfig,
     apply_overrides,
+    batch_at,
+    budget_epochs,
     config_from_dict,
     config_path,
     load_config,
@@ -509,14 +511,15 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
     if cfg.train.eval_tta in ("flip", "flip_shift") and not ds.flip_ok:
         raise ConfigError(f"{cfg.data.name}'s labels change under a mirror image, so train.eval_tta={cfg.train.eval_tta} would mix "
                           "classes; use train.eval_tta=shift")
-    steps_per_epoch = len(train_y) // cfg.train.batch_size
-    if steps_per_epoch == 0:
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the {len(train_y)} training images")
+    steps_per_epoch = len(train_y) // cfg.train.batch_size  # a schedule_batch=tokens run's steps change by stage: Job.steps_in
+    if steps_per_epoch == 0 or len(train_y) < max(batch_at(cfg, e, world) for e in range(cfg.train.epochs)):
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the {len(train_y)} training images"
+                          + (" (with train.schedule_batch=tokens, an early stage's batch holds more images)" if steps_per_epoch else ""))
     if not resume:  # a resumed run keeps the schedule its config.yaml holds
         line = work_schedule(load_config(str(config_file(config, overrides))), cfg, overrides, steps_per_epoch, len(train_y))
         if line:
             log(line)
-    total_steps = cfg.train.epochs * steps_per_epoch
+    total_steps = sum(len(train_y) // batch_at(cfg, e, world) for e in range(cfg.train.epochs))
 
     # ---- model, optimiser, schedule ----------------------------------------------------------------
     from timm.data import Mixup
@@ -554,9 +557,10 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
         dtype = _cpu_amp(model, ds, train_x, train_y, sizes, per_process, cfg, world, state, log)
     with _quiet("timm.optim._param_groups"):
         optimizer = create_optimizer_v2(model, "adamw", lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, layer_decay=cfg.train.layer_decay)
-    warmup = round(cfg.train.warmup_epochs * steps_per_epoch)
+    warmup = round(cfg.train.warmup_epochs * (len(train_y) // batch_at(cfg, 0, world)))
     budget = state.get("budget") if state is not None else None
-    for line in schedule_warnings(cfg, steps_per_epoch, len(test_y)) if not cfg.train.budget_min or budget else []:  # else: once the budget sets the epochs
+    budget_pending = cfg.train.budget_min and not budget  # its warnings come once the budget has set the epochs
+    for line in [] if budget_pending else schedule_warnings(cfg, total_steps // cfg.train.epochs, len(test_y)):
         log(f"warning: {line}")
     with _quiet("timm.scheduler.cosine_lr"):  # its "no effect" notice, said above in vitpe's words
         scheduler = CosineLRScheduler(optimizer, t_initial=max(total_steps - warmup, 1), lr_min=cfg.train.min_lr, warmup_t=warmup,
@@ -610,7 +614,7 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
                 f"{run}, or train longer in a new run (--epochs N)")
             return 0
         if state is not None:
-            log(f"resuming {run} at epoch {epoch + 1}, step {step}/{steps_per_epoch}")
+            log(f"resuming {run} at epoch {epoch + 1}, step {step}/{len(train_y) // batch_at(cfg, epoch, world)}")
         elif resume:
             log(f"{run} has no checkpoint yet (it stopped before its first): starting it from step 0 with its saved config")
         if rank == 0 and cfg.train.tensorboard:
@@ -619,7 +623,8 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
             cfg=cfg, run=run, rank=rank, world=world, device=device, dtype=dtype, log=log, ds=ds, train_at=train_at,
             train_y=train_y, test_x=test_x, test_y=test_y, sizes=sizes_at(cfg, epoch), augment=augment, model=model, model_args=model_args,
             optimizer=optimizer, scheduler=scheduler, scaler=scaler, ema=ema, mixup=mixup, criterion=criterion,
-            steps_per_epoch=steps_per_epoch, epoch=epoch, step=step, rows=rows, partial=partial, last_saved=last_saved, budget=budget,
+            steps_per_epoch=len(train_y) // batch_at(cfg, epoch, world), epoch=epoch, step=step, rows=rows, partial=partial,
+            last_saved=last_saved, budget=budget,
             board=board,
         ))
     finally:
@@ -693,7 +698,7 @@ class Job:
     ema: Any
     mixup: Any
     criterion: Any
-    steps_per_epoch: int
+    steps_per_epoch: int  # this epoch's (train.schedule_batch=tokens changes it by stage: steps_in)
     epoch: int
     step: int
     rows: List[dict]
@@ -701,6 +706,16 @@ class Job:
     last_saved: Optional[Tuple[int, int]]
     budget: Optional[Dict[str, float]] = None  # train.budget_min's decision: the measured rate and the epochs it allows
     board: Optional[TensorBoardLog] = None  # train.tensorboard's event files (rank 0)
+
+    def steps_in(self, epoch: int) -> int:
+        """Optimizer steps in ``epoch``: the training images over that epoch's batch (:func:`vitpe.config.batch_at`)."""
+        return len(self.train_y) // batch_at(self.cfg, epoch, self.world)
+
+    def steps_before(self, epoch: int) -> int:
+        """Optimizer steps in the epochs before ``epoch``: where the learning-rate schedule stands when it begins."""
+        if self.cfg.train.schedule_batch != "tokens":
+            return epoch * self.steps_in(0)
+        return sum(self.steps_in(e) for e in range(epoch))
 
     def fit_budget(self, rate: float) -> None:
         """Set train.epochs to the most whole epochs whose steps fit in train.budget_min at ``rate`` images/s (one
@@ -710,20 +725,22 @@ class Job:
             shared = torch.tensor([rate], dtype=torch.float64, device=self.device)
             dist.broadcast(shared, src=0)
             rate = shared.item()
-        epoch_images = self.steps_per_epoch * cfg.train.batch_size
-        epochs = max(1, int(60 * cfg.train.budget_min * rate // epoch_images))
+        epoch_images = self.steps_per_epoch * batch_at(cfg, self.epoch, self.world)
+        epochs, seconds = budget_epochs(cfg, rate, epoch_images, 60 * cfg.train.budget_min, self.sizes)
         cfg.train.epochs = epochs
         warmup = self.scheduler.warmup_t
-        self.scheduler.t_initial = max(epochs * self.steps_per_epoch - warmup, 1)  # timm reads it at every step
+        self.scheduler.t_initial = max(self.steps_before(epochs) - warmup, 1)  # timm reads it at every step
         self.budget = {"images_per_s": rate, "epochs": epochs}
         if self.rank == 0:
             save_config(cfg, self.run / CONFIG_NAME)
-        self.log(f"train.budget_min={cfg.train.budget_min:g}: {rate:.0f} img/s measured over this run's first steps, so "
-                 f"{epochs} epochs ({epochs * epoch_images / rate / 60:.1f} min of steps; evaluation after each epoch adds to it)")
-        if epochs * epoch_images / rate < 30 * cfg.train.budget_min:
+        staged = (f" at {size_span(self.sizes)} px; the later sizes' rates scaled by their tokens' cost (sizes "
+                  f"{schedule_text(cfg)})") if cfg.train.resolution_schedule else ""
+        self.log(f"train.budget_min={cfg.train.budget_min:g}: {rate:.0f} img/s measured over this run's first steps{staged}, so "
+                 f"{epochs} epochs ({seconds / 60:.1f} min of steps; evaluation after each epoch adds to it)")
+        if seconds < 30 * cfg.train.budget_min:
             self.log("warning: fewer than half the budget's minutes go to steps (one epoch takes longer than the rest); "
                      "use a subset (data.train_size) or a smaller model")
-        for line in schedule_warnings(cfg, self.steps_per_epoch, len(self.test_y)):
+        for line in schedule_warnings(cfg, self.steps_before(epochs) // epochs, len(self.test_y)):
             self.log(f"warning: {line}")
 
     def kept(self) -> str:
@@ -761,9 +778,10 @@ class Job:
     def batch(self, perm: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This process's share of the step's global batch: images, targets (mixed, with mixup), labels."""
         cfg, rank = self.cfg, self.rank
-        local = cfg.train.batch_size // self.world
+        batch = batch_at(cfg, self.epoch, self.world)
+        local = batch // self.world
         seed_step(cfg.train.seed, self.epoch, self.step)  # same on every rank: the global batch is augmented identically
-        idx = perm[self.step * cfg.train.batch_size : (self.step + 1) * cfg.train.batch_size]
+        idx = perm[self.step * batch : (self.step + 1) * batch]
         boxes = self.crop_boxes(len(idx))
         if cfg.train.max_tokens is not None:  # NaViT: every image at its own size and aspect ratio, packed
             sizes = draw_sizes(len(idx), self.sizes, self.model.patch_size, self.ds.aspects(True))
@@ -801,7 +819,7 @@ class Job:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.step += 1
-        self.scheduler.step_update(self.epoch * self.steps_per_epoch + self.step)
+        self.scheduler.step_update(self.steps_before(self.epoch) + self.step)
         if self.ema is not None:
             self.ema.update(self.model)
         return loss, logits
@@ -876,7 +894,7 @@ def train_loop(job: Job) -> int:
         try:
             while job.epoch < cfg.train.epochs:
                 net.train()
-                job.sizes = sizes_at(cfg, job.epoch)
+                job.sizes, job.steps_per_epoch = sizes_at(cfg, job.epoch), job.steps_in(job.epoch)
                 perm = torch.randperm(len(job.train_y), generator=torch.Generator().manual_seed(cfg.train.seed * 1009 + job.epoch))
                 tally = Tally(**job.partial)  # a resumed epoch goes on counting from where it stopped
                 loss_sum = torch.tensor(tally.loss_sum, device=job.device, dtype=torch.float64)
@@ -885,7 +903,7 @@ def train_loop(job: Job) -> int:
                 tty = sys.stderr.isatty()
                 bar = tqdm(total=job.steps_per_epoch, initial=job.step, desc=desc, disable=job.rank != 0 or not tty, dynamic_ncols=True)
                 first = job.step  # a resumed epoch: its progress lines count this session's steps
-                probe = RateProbe(cfg.train.batch_size, job.steps_per_epoch - first) if cfg.train.budget_min and job.budget is None else None
+                probe = RateProbe(batch_at(cfg, job.epoch, world), job.steps_per_epoch - first) if cfg.train.budget_min and job.budget is None else None
                 beat = Heartbeat(f"{desc} step", job.steps_per_epoch - first, every=60.0, log=log, enabled=job.rank == 0 and not tty)
                 while job.step < job.steps_per_epoch:
                     if progress is not None:
