@@ -45,7 +45,8 @@ FMNIST_SCHEDULE = "train.resolution_schedule=[[0, 16, 20], [0.5, 24], [0.85, 28]
 SUITES: Dict[str, Tuple[Dict[str, Tuple[str, TrainSpec]], Tuple[int, ...], str]] = {
     "main": ({
         "main job": ("the main job as shipped (configs/shapes.yaml: 8 epochs, a size per batch in 16-48 px)", TrainSpec(str(CONFIGS / "shapes.yaml"))),
-        "schedule": ("+ sizes that grow: 16-24 px, then 16-40, then 16-48", TrainSpec(str(CONFIGS / "shapes.yaml"), MAIN_SCHEDULE)),
+        "schedule": ("+ sizes that grow: 16-24 px, then 16-40, then 16-48 (fp32, as amp=auto chose for the main job)",
+                     TrainSpec(str(CONFIGS / "shapes.yaml"), MAIN_SCHEDULE)),
         "bf16": ("the main job with bf16 autocast forced (amp=auto measures fp32 faster at this width)",
                  TrainSpec(str(CONFIGS / "shapes.yaml"), ("train.amp=bf16",))),
     }, (32, 48, 64), "the main job's top-1 at 32 px and its transfer to 48 and 64 (within 0.5 points) in at most 4 minutes"),
@@ -139,7 +140,7 @@ def report(rows: List[Dict], out: Path) -> Path:
         if any(r["suite"] == suite for r in rows):
             text += [table(rows, suite), ""]
     path = out / "table.md"
-    path.write_text("\n".join(text))
+    path.write_text("\n".join(text).rstrip() + "\n")
     return path
 
 

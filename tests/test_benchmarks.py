@@ -5,6 +5,7 @@ import json
 import math
 import re
 import shutil
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -858,3 +859,17 @@ def test_every_time_to_accuracy_row_is_a_config_vitpe_accepts():
         for row, (_, spec) in rows.items():
             cfg = resolve_config(spec.config, spec.overrides)
             assert ("schedule" in row) == (cfg.train.resolution_schedule is not None), (suite, row)
+
+
+def test_the_time_to_accuracy_table_is_the_record():
+    """docs/time_to_accuracy/table.md is what --report makes of the committed record, and docs/benchmarks.md shows its rows."""
+    import tempfile
+
+    study = load_benchmark("time_to_accuracy")
+    rows = study.load_results()
+    assert {r["suite"] for r in rows} >= {"main"} and all(r["n"] == 5000 for r in rows)
+    with tempfile.TemporaryDirectory() as d:
+        assert study.report(rows, Path(d)).read_text() == (ROOT / "docs" / "time_to_accuracy" / "table.md").read_text()
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    table = [line for line in (ROOT / "docs" / "time_to_accuracy" / "table.md").read_text().splitlines() if line.startswith("| ")]
+    assert table and all(line in page for line in table[2:])
