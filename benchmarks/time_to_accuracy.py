@@ -47,6 +47,8 @@ SUITES: Dict[str, Tuple[Dict[str, Tuple[str, TrainSpec]], Tuple[int, ...], str]]
         "main job": ("the main job as shipped (configs/shapes.yaml: 8 epochs, a size per batch in 16-48 px)", TrainSpec(str(CONFIGS / "shapes.yaml"))),
         "schedule": ("+ sizes that grow: 16-24 px, then 16-40, then 16-48 (fp32, as amp=auto chose for the main job)",
                      TrainSpec(str(CONFIGS / "shapes.yaml"), MAIN_SCHEDULE)),
+        "6 epochs": ("the main job cut to 6 epochs: about the schedule's time, at the main job's sizes (equal time)",
+                     TrainSpec(str(CONFIGS / "shapes.yaml"), ("train.epochs=6", "train.amp=none"))),
         "bf16": ("the main job with bf16 autocast forced (amp=auto measures fp32 faster at this width)",
                  TrainSpec(str(CONFIGS / "shapes.yaml"), ("train.amp=bf16",))),
     }, (32, 48, 64), "the main job's top-1 at 32 px and its transfer to 48 and 64 (within 0.5 points) in at most 4 minutes"),
