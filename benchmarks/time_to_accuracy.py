@@ -23,13 +23,13 @@ import argparse
 import csv
 import statistics
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from benchmarks.studykit import TrainSpec, train_or_reuse, training_time
 from benchmarks.timing import cpu_name
-from vitpe.checkpoint import checkpoint_config, model_from_checkpoint
+from vitpe.checkpoint import checkpoint_config, load_checkpoint, model_from_checkpoint
 from vitpe.evaluation import dataset_of, evaluate_at
 from vitpe.runs import safe_name, write_csv
 
@@ -41,45 +41,84 @@ CONFIGS = ROOT / "configs"
 MAIN_SCHEDULE = ("train.resolution_range=null", "train.resolution_schedule=[[0, 16, 24], [0.4, 16, 40], [0.75, 16, 48]]",
                  "train.amp=none")  # as the main job's amp=auto chose on every seed: one lever at a time
 FMNIST_SCHEDULE = "train.resolution_schedule=[[0, 16, 20], [0.5, 24], [0.85, 28]]"
-# suite -> (rows: name -> (the lever it adds, the run), the sizes it is judged at, its target)
-SUITES: Dict[str, Tuple[Dict[str, Tuple[str, TrainSpec]], Tuple[int, ...], str]] = {
+# FixRes's finish as a user runs it (train.py --init RUN): one epoch at the size the model is used at, from a finished
+# run, at a fine-tune's lower peak lr.
+FINISH_AT_32 = ("train.epochs=1", "train.resolution_range=null", "train.resolutions=[32]", "train.lr=0.0005", "train.warmup_epochs=0.1",
+                "train.amp=none")
+# Part 3's parity at a width where amp=auto measures bf16 faster: the 15-minute Fashion-MNIST recipe twice as wide
+# (heads of 32 as in the recipe), a fixed 3 epochs so that both precisions take the same steps.
+WIDE = (str(CONFIGS / "fashion_mnist_cpu.yaml"), ("model.embed_dim=192", "model.num_heads=6", "train.budget_min=null", "train.epochs=3"))
+
+
+class Row(NamedTuple):
+    lever: str  # what the row adds, as the table says it
+    spec: TrainSpec
+    after: Optional[str] = None  # a row of the same suite this one continues (train.py --init that row's run, same seed)
+
+
+# suite -> (rows: name -> Row, the sizes it is judged at, its target)
+SUITES: Dict[str, Tuple[Dict[str, Row], Tuple[int, ...], str]] = {
     "main": ({
-        "main job": ("the main job as shipped (configs/shapes.yaml: 8 epochs, a size per batch in 16-48 px)", TrainSpec(str(CONFIGS / "shapes.yaml"))),
-        "schedule": ("+ sizes that grow: 16-24 px, then 16-40, then 16-48 (fp32, as amp=auto chose for the main job)",
+        "main job": Row("the main job as shipped (configs/shapes.yaml: 8 epochs, a size per batch in 16-48 px)", TrainSpec(str(CONFIGS / "shapes.yaml"))),
+        "schedule": Row("+ sizes that grow: 16-24 px, then 16-40, then 16-48 (fp32, as amp=auto chose for the main job)",
                      TrainSpec(str(CONFIGS / "shapes.yaml"), MAIN_SCHEDULE)),
-        "6 epochs": ("the main job cut to 6 epochs: about the schedule's time, at the main job's sizes (equal time)",
+        "6 epochs": Row("the main job cut to 6 epochs: about the schedule's time, at the main job's sizes (equal time)",
                      TrainSpec(str(CONFIGS / "shapes.yaml"), ("train.epochs=6", "train.amp=none"))),
-        "bf16": ("the main job with bf16 autocast forced (amp=auto measures fp32 faster at this width)",
-                 TrainSpec(str(CONFIGS / "shapes.yaml"), ("train.amp=bf16",))),
+        "6 epochs + finish": Row("the 6-epoch run and a finish: one epoch at 32 px only, fine-tuned from it (train.py --init; lr 5e-4)",
+                                 TrainSpec(str(CONFIGS / "shapes.yaml"), FINISH_AT_32), after="6 epochs"),
+        "bf16": Row("the main job with bf16 autocast forced (amp=auto measures fp32 faster at this width)",
+                    TrainSpec(str(CONFIGS / "shapes.yaml"), ("train.amp=bf16",))),
     }, (32, 48, 64), "the main job's top-1 at 32 px and its transfer to 48 and 64 (within 0.5 points) in at most 4 minutes"),
     "fmnist15": ({
-        "recipe": ("the 15-minute recipe as shipped (configs/fashion_mnist_cpu.yaml: 0.30M parameters, train.budget_min=15)",
+        "recipe": Row("the 15-minute recipe as shipped (configs/fashion_mnist_cpu.yaml: 0.30M parameters, train.budget_min=15)",
                    TrainSpec(str(CONFIGS / "fashion_mnist_cpu.yaml"))),
-        "schedule": ("+ sizes that grow: 16-20 px, then 24, the last 15% at 28 (the budget counts each at its cost)",
+        "schedule": Row("+ sizes that grow: 16-20 px, then 24, the last 15% at 28 (the budget counts each at its cost)",
                      TrainSpec(str(CONFIGS / "fashion_mnist_cpu.yaml"), (FMNIST_SCHEDULE,))),
     }, (28,), "Fashion-MNIST top-1 at 28 px in 15 minutes of wall time under 1M parameters (target 92.5%)"),
     "fmnist60": ({
-        "recipe": ("the 60-minute recipe as shipped (configs/fashion_mnist_cpu_60.yaml: 0.80M parameters, train.budget_min=60)",
+        "recipe": Row("the 60-minute recipe as shipped (configs/fashion_mnist_cpu_60.yaml: 0.80M parameters, train.budget_min=60)",
                    TrainSpec(str(CONFIGS / "fashion_mnist_cpu_60.yaml"))),
-        "schedule": ("+ sizes that grow: 16-20 px, then 24, the last 15% at 28", TrainSpec(str(CONFIGS / "fashion_mnist_cpu_60.yaml"), (FMNIST_SCHEDULE,))),
+        "schedule": Row("+ sizes that grow: 16-20 px, then 24, the last 15% at 28", TrainSpec(str(CONFIGS / "fashion_mnist_cpu_60.yaml"), (FMNIST_SCHEDULE,))),
     }, (28,), "Fashion-MNIST top-1 at 28 px in 60 minutes of wall time under 1M parameters (target 93.5%)"),
+    "width192": ({
+        "fp32": Row("the 15-minute Fashion-MNIST recipe 192 wide (1.20M parameters), 3 epochs, fp32 (amp=none)",
+                    TrainSpec(WIDE[0], WIDE[1] + ("train.amp=none",))),
+        "bf16": Row("the same run with bf16 autocast (amp=bf16): the same epochs and steps", TrainSpec(WIDE[0], WIDE[1] + ("train.amp=bf16",))),
+    }, (28,), "bf16 autocast against fp32 at equal epochs on a 192-wide model: top-1 within the seeds' spread, and the time it saves"),
 }
 FIELDS = ("suite", "row", "seed", "cpu", "amp", "epochs", "train_time_s", "size", "n", "top1", "top1_tta")
 
 
 def run_spec(suite: str, row: str, seed: int) -> TrainSpec:
-    return SUITES[suite][0][row][1].plus(f"train.seed={seed}")
+    return SUITES[suite][0][row].spec.plus(f"train.seed={seed}")
+
+
+def run_dir(out: Path, suite: str, row: str, seed: int) -> Path:
+    return out / "runs" / safe_name(f"{suite}-{row}-seed{seed}")
+
+
+def lineage(run: Path) -> Tuple[int, float]:
+    """Epochs and training seconds behind ``run``, counting the runs it was fine-tuned from (``init.source``)."""
+    state = load_checkpoint(run)
+    epochs, seconds = len(state["metrics"]), training_time(state["metrics"])
+    source = checkpoint_config(state).init.source
+    if source is not None and Path(source).is_dir():
+        more_epochs, more_seconds = lineage(Path(source))
+        epochs, seconds = epochs + more_epochs, seconds + more_seconds
+    return epochs, seconds
 
 
 def measure(run: Path, suite: str, row: str, seed: int, test_size: Optional[int]) -> List[Dict]:
-    """The record's rows of one run: top-1 at each of its suite's sizes (TTA where the run's recipe measured it)."""
+    """The record's rows of one run: top-1 at each of its suite's sizes (TTA where the run's recipe measured it); a
+    finish counts the epochs and time of the run it started from."""
     model, state = model_from_checkpoint(run)
     cfg = checkpoint_config(state)
     ds = dataset_of(cfg, test_size=test_size)
     metrics = state["metrics"]
     tta = next((v for k, v in metrics[-1].items() if k.startswith("test_top1_tta_")), None)
-    base = {"suite": suite, "row": row, "seed": seed, "cpu": cpu_name(), "amp": state.get("amp", "none"), "epochs": len(metrics),
-            "train_time_s": round(training_time(metrics), 1)}
+    epochs, seconds = lineage(run)
+    base = {"suite": suite, "row": row, "seed": seed, "cpu": cpu_name(), "amp": state.get("amp", "none"), "epochs": epochs,
+            "train_time_s": round(seconds, 1)}
     plan = [("interpolate", "coords", (s, s)) for s in SUITES[suite][1]]
     out = []
     for r in evaluate_at(model, ds, plan, torch.device("cpu"), desc=f"{suite} {row} s{seed}"):
@@ -121,7 +160,7 @@ def table(rows: List[Dict], suite: str) -> str:
     lines = [f"**{suite}**: {target}.", "",
              "| row | lever | seeds | training min | " + " | ".join(f"top-1 at {s} px" for s in sizes) + (" | with TTA |" if tta else " |"),
              "| --- | --- | --- | --- | " + " | ".join("---" for _ in sizes) + (" | --- |" if tta else " |")]
-    for row, (lever, _) in lever_rows.items():
+    for row, (lever, *_) in lever_rows.items():
         runs = {r["seed"]: r for r in mine if r["row"] == row}
         if not runs:
             continue
@@ -144,6 +183,19 @@ def report(rows: List[Dict], out: Path) -> Path:
     path = out / "table.md"
     path.write_text("\n".join(text).rstrip() + "\n")
     return path
+
+
+def train_row(out: Path, suite: str, row: str, seed: int, smoke: bool = False) -> Path:
+    """Train (or reuse) one seed of a row into OUT/runs; a row that continues another trains that one first."""
+    spec, after = run_spec(suite, row, seed), SUITES[suite][0][row].after
+    if after is not None:
+        spec = spec.plus(f"init.source={train_row(out, suite, after, seed, smoke)}")
+    if smoke:  # the tiny config, two epochs (a finish one, at 16 px), each row's other levers
+        keep = tuple(o for o in spec.overrides if not o.startswith(("model.", "train.resolution", "train.epochs", "train.budget")))
+        sizes = ("train.resolution_schedule=[[0, 8, 12], [0.5, 16]]",) if row == "schedule" else ("train.resolutions=[16]",) if after else ()
+        spec = TrainSpec(str(CONFIGS / "tiny.yaml"), keep).plus(f"train.epochs={1 if after else 2}", *sizes)
+    run = run_dir(out, suite, row, seed)
+    return train_or_reuse(run, spec, run.name)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -169,12 +221,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if any((r["suite"], r["row"], r["seed"]) == (args.suite, row, seed) for r in rows):
                 print(f"[{args.suite} {row} seed {seed}] in the record already")
                 continue
-            spec = run_spec(args.suite, row, seed)
-            if args.smoke:
-                spec = TrainSpec(str(CONFIGS / "tiny.yaml"), tuple(o for o in spec.overrides if "schedule" not in o)).plus(
-                    "train.epochs=2", "train.resolution_schedule=[[0, 8, 12], [0.5, 16]]" if row == "schedule" else "train.epochs=2")
-            name = safe_name(f"{args.suite}-{row}-seed{seed}")
-            run = train_or_reuse(args.out / "runs" / name, spec, name)
+            run = train_row(args.out, args.suite, row, seed, args.smoke)
             rows = [r for r in rows if (r["suite"], r["row"], r["seed"]) != (args.suite, row, seed)] + measure(run, args.suite, row, seed, test_size)
             save_results(rows, record)
     print(report(rows, record.parent) if args.smoke else f"record: {record}; the table: python -m benchmarks.time_to_accuracy --report")

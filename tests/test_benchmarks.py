@@ -13,7 +13,7 @@ import torch
 from conftest import ROOT, load_benchmark
 
 import vitpe
-from vitpe.checkpoint import load_checkpoint
+from vitpe.checkpoint import checkpoint_config, load_checkpoint
 
 
 def test_resolution_transfer_train_minutes_zero_is_a_measurement(tmp_path):
@@ -836,14 +836,22 @@ def test_finetune_study_small_data_smoke(tmp_path):
 
 def test_time_to_accuracy_smoke_records_each_lever_and_reuses_its_runs(tmp_path, capsys):
     study = load_benchmark("time_to_accuracy")
-    assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "main job", "schedule", "--seeds", "0"]) == 0
+    rows_asked = ("main job", "schedule", "6 epochs + finish")
+    assert study.main(["--smoke", "--out", str(tmp_path), "--rows", *rows_asked, "--seeds", "0"]) == 0
     rows = study.load_results(tmp_path / "results.csv")
-    assert {(r["row"], r["size"]) for r in rows} == {(row, s) for row in ("main job", "schedule") for s in (32, 48, 64)}
-    assert all(r["amp"] in ("none", "bf16") and r["train_time_s"] > 0 and r["epochs"] == 2 for r in rows)
+    assert {(r["row"], r["size"]) for r in rows} == {(row, s) for row in rows_asked for s in (32, 48, 64)}
+    assert all(r["amp"] in ("none", "bf16") and r["train_time_s"] > 0 for r in rows)
+    assert {r["row"]: r["epochs"] for r in rows} == {"main job": 2, "schedule": 2, "6 epochs + finish": 3}
     table = (tmp_path / "table.md").read_text()
     assert "| schedule | + sizes that grow" in table and "| 1 |" in table
     schedule = load_checkpoint(tmp_path / "runs" / "main-schedule-seed0")["metrics"]
     assert [m["train_sizes"] for m in schedule] == ["8-12", "16"]  # the smoke's own schedule, recorded per epoch
+    # A finish is a fine-tune of its row's run (train.py --init), and its time is both runs' time
+    finish, parent = (load_checkpoint(study.run_dir(tmp_path, "main", name, 0)) for name in ("6 epochs + finish", "6 epochs"))
+    assert checkpoint_config(finish).init.source == str(study.run_dir(tmp_path, "main", "6 epochs", 0))
+    assert checkpoint_config(finish).train.resolutions == [16] and len(finish["metrics"]) == 1
+    took = {r["row"]: r["train_time_s"] for r in rows}
+    assert took["6 epochs + finish"] == pytest.approx(study.training_time(finish["metrics"]) + study.training_time(parent["metrics"]), abs=0.2)
     assert study.main(["--smoke", "--out", str(tmp_path), "--rows", "schedule", "--seeds", "0"]) == 0
     assert "in the record already" in capsys.readouterr().out
     with pytest.raises(SystemExit):
@@ -856,8 +864,9 @@ def test_every_time_to_accuracy_row_is_a_config_vitpe_accepts():
 
     study = load_benchmark("time_to_accuracy")
     for suite, (rows, _, _) in study.SUITES.items():
-        for row, (_, spec) in rows.items():
-            cfg = resolve_config(spec.config, spec.overrides)
+        for row, r in rows.items():
+            cfg = resolve_config(r.spec.config, r.spec.overrides)
+            assert r.after is None or r.after in rows, (suite, row)
             assert ("schedule" in row) == (cfg.train.resolution_schedule is not None), (suite, row)
 
 
@@ -867,7 +876,7 @@ def test_the_time_to_accuracy_table_is_the_record():
 
     study = load_benchmark("time_to_accuracy")
     rows = study.load_results()
-    assert {r["suite"] for r in rows} >= {"main"} and all(r["n"] == 5000 for r in rows)
+    assert {r["suite"] for r in rows} >= {"main"} and all(r["n"] == (5000 if r["suite"] == "main" else 10000) for r in rows)
     with tempfile.TemporaryDirectory() as d:
         assert study.report(rows, Path(d)).read_text() == (ROOT / "docs" / "time_to_accuracy" / "table.md").read_text()
     page = (ROOT / "docs" / "benchmarks.md").read_text()

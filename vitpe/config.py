@@ -21,8 +21,8 @@ from .suggest import did_you_mean
 from .vit import VisionTransformer, check_model_args
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "TrainConfig", "InitConfig", "Config", "load_config", "apply_overrides", "train_resolutions",
-           "resolution_stages", "sizes_at", "schedule_text", "size_span", "stage_sizes", "step_cost", "budget_epochs", "batch_at", "shipped_configs",
-           "shipped_config_names", "config_path"]
+           "resolution_stages", "sizes_at", "schedule_text", "size_span", "stage_sizes", "step_cost", "budget_epochs", "batch_at", "steps_in_epoch",
+           "steps_before", "shipped_configs", "shipped_config_names", "config_path"]
 
 
 class ConfigError(VitpeError):
@@ -426,6 +426,20 @@ def batch_at(cfg: Config, epoch: int, world: int = 1) -> int:
     unit = world * (2 if cfg.data.mixup > 0 or cfg.data.cutmix > 0 else 1)
     images = t.batch_size * largest**2 / (sum(s * s for s in sizes) / len(sizes))
     return max(unit, int(images) // unit * unit)
+
+
+def steps_in_epoch(cfg: Config, epoch: int, n_train: int, world: int = 1) -> int:
+    """Optimizer steps in ``epoch`` (0-based): the training images over that epoch's batch (:func:`batch_at`); the last
+    partial batch is dropped."""
+    return n_train // batch_at(cfg, epoch, world)
+
+
+def steps_before(cfg: Config, epoch: int, n_train: int, world: int = 1) -> int:
+    """Optimizer steps in the epochs before ``epoch``: where the learning-rate schedule stands when ``epoch`` begins
+    (``epoch = train.epochs`` gives the run's total)."""
+    if cfg.train.schedule_batch != "tokens":  # every epoch takes the same steps
+        return epoch * steps_in_epoch(cfg, 0, n_train, world)
+    return sum(steps_in_epoch(cfg, e, n_train, world) for e in range(epoch))
 
 
 def size_span(sizes: Sequence[int]) -> str:

@@ -24,7 +24,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -47,6 +47,8 @@ from vitpe.config import (
     shipped_configs,
     size_span,
     sizes_at,
+    steps_before,
+    steps_in_epoch,
     train_resolutions,
 )
 from vitpe.data import load_dataset, resize_images
@@ -511,7 +513,7 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
     if cfg.train.eval_tta in ("flip", "flip_shift") and not ds.flip_ok:
         raise ConfigError(f"{cfg.data.name}'s labels change under a mirror image, so train.eval_tta={cfg.train.eval_tta} would mix "
                           "classes; use train.eval_tta=shift")
-    steps_per_epoch = len(train_y) // cfg.train.batch_size  # a schedule_batch=tokens run's steps change by stage: Job.steps_in
+    steps_per_epoch = len(train_y) // cfg.train.batch_size  # before a budget or a schedule_batch=tokens stage changes it
     if steps_per_epoch == 0 or len(train_y) < max(batch_at(cfg, e, world) for e in range(cfg.train.epochs)):
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} is larger than the {len(train_y)} training images"
                           + (" (with train.schedule_batch=tokens, an early stage's batch holds more images)" if steps_per_epoch else ""))
@@ -519,7 +521,7 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
         line = work_schedule(load_config(str(config_file(config, overrides))), cfg, overrides, steps_per_epoch, len(train_y))
         if line:
             log(line)
-    total_steps = sum(len(train_y) // batch_at(cfg, e, world) for e in range(cfg.train.epochs))
+    total_steps = steps_before(cfg, cfg.train.epochs, len(train_y), world)
 
     # ---- model, optimiser, schedule ----------------------------------------------------------------
     from timm.data import Mixup
@@ -557,7 +559,7 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
         dtype = _cpu_amp(model, ds, train_x, train_y, sizes, per_process, cfg, world, state, log)
     with _quiet("timm.optim._param_groups"):
         optimizer = create_optimizer_v2(model, "adamw", lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, layer_decay=cfg.train.layer_decay)
-    warmup = round(cfg.train.warmup_epochs * (len(train_y) // batch_at(cfg, 0, world)))
+    warmup = round(cfg.train.warmup_epochs * steps_in_epoch(cfg, 0, len(train_y), world))
     budget = state.get("budget") if state is not None else None
     budget_pending = cfg.train.budget_min and not budget  # its warnings come once the budget has set the epochs
     for line in [] if budget_pending else schedule_warnings(cfg, total_steps // cfg.train.epochs, len(test_y)):
@@ -614,16 +616,16 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
                 f"{run}, or train longer in a new run (--epochs N)")
             return 0
         if state is not None:
-            log(f"resuming {run} at epoch {epoch + 1}, step {step}/{len(train_y) // batch_at(cfg, epoch, world)}")
+            log(f"resuming {run} at epoch {epoch + 1}, step {step}/{steps_in_epoch(cfg, epoch, len(train_y), world)}")
         elif resume:
             log(f"{run} has no checkpoint yet (it stopped before its first): starting it from step 0 with its saved config")
         if rank == 0 and cfg.train.tensorboard:
             board = TensorBoardLog(run, epoch)
         return train_loop(Job(
             cfg=cfg, run=run, rank=rank, world=world, device=device, dtype=dtype, log=log, ds=ds, train_at=train_at,
-            train_y=train_y, test_x=test_x, test_y=test_y, sizes=sizes_at(cfg, epoch), augment=augment, model=model, model_args=model_args,
+            train_y=train_y, test_x=test_x, test_y=test_y, augment=augment, model=model, model_args=model_args,
             optimizer=optimizer, scheduler=scheduler, scaler=scaler, ema=ema, mixup=mixup, criterion=criterion,
-            steps_per_epoch=len(train_y) // batch_at(cfg, epoch, world), epoch=epoch, step=step, rows=rows, partial=partial,
+            epoch=epoch, step=step, rows=rows, partial=partial,
             last_saved=last_saved, budget=budget,
             board=board,
         ))
@@ -688,7 +690,6 @@ class Job:
     train_y: torch.Tensor
     test_x: torch.Tensor
     test_y: torch.Tensor
-    sizes: List[int]  # what this epoch's batches draw their size from (train.resolution_schedule changes it by epoch)
     augment: Any
     model: VisionTransformer
     model_args: Dict[str, Any]
@@ -698,7 +699,6 @@ class Job:
     ema: Any
     mixup: Any
     criterion: Any
-    steps_per_epoch: int  # this epoch's (train.schedule_batch=tokens changes it by stage: steps_in)
     epoch: int
     step: int
     rows: List[dict]
@@ -706,16 +706,22 @@ class Job:
     last_saved: Optional[Tuple[int, int]]
     budget: Optional[Dict[str, float]] = None  # train.budget_min's decision: the measured rate and the epochs it allows
     board: Optional[TensorBoardLog] = None  # train.tensorboard's event files (rank 0)
+    # The current epoch's facts (begin_epoch), read at every step; a train.resolution_schedule changes them by epoch.
+    sizes: List[int] = field(init=False)  # what its batches draw their size from
+    images_per_step: int = field(init=False)  # the global batch (train.schedule_batch=tokens changes it by stage)
+    steps_per_epoch: int = field(init=False)
+    steps_earlier: int = field(init=False)  # the optimizer steps of the epochs before it: where the cosine stands
 
-    def steps_in(self, epoch: int) -> int:
-        """Optimizer steps in ``epoch``: the training images over that epoch's batch (:func:`vitpe.config.batch_at`)."""
-        return len(self.train_y) // batch_at(self.cfg, epoch, self.world)
+    def __post_init__(self) -> None:
+        self.begin_epoch()
 
-    def steps_before(self, epoch: int) -> int:
-        """Optimizer steps in the epochs before ``epoch``: where the learning-rate schedule stands when it begins."""
-        if self.cfg.train.schedule_batch != "tokens":
-            return epoch * self.steps_in(0)
-        return sum(self.steps_in(e) for e in range(epoch))
+    def begin_epoch(self) -> None:
+        """Work out the current epoch's sizes, batch and steps once, so that no step recomputes them."""
+        cfg, n = self.cfg, len(self.train_y)
+        self.sizes = sizes_at(cfg, self.epoch)
+        self.images_per_step = batch_at(cfg, self.epoch, self.world)
+        self.steps_per_epoch = steps_in_epoch(cfg, self.epoch, n, self.world)
+        self.steps_earlier = steps_before(cfg, self.epoch, n, self.world)
 
     def fit_budget(self, rate: float) -> None:
         """Set train.epochs to the most whole epochs whose steps fit in train.budget_min at ``rate`` images/s (one
@@ -725,11 +731,11 @@ class Job:
             shared = torch.tensor([rate], dtype=torch.float64, device=self.device)
             dist.broadcast(shared, src=0)
             rate = shared.item()
-        epoch_images = self.steps_per_epoch * batch_at(cfg, self.epoch, self.world)
+        epoch_images = self.steps_per_epoch * self.images_per_step
         epochs, seconds = budget_epochs(cfg, rate, epoch_images, 60 * cfg.train.budget_min, self.sizes)
         cfg.train.epochs = epochs
         warmup = self.scheduler.warmup_t
-        self.scheduler.t_initial = max(self.steps_before(epochs) - warmup, 1)  # timm reads it at every step
+        self.scheduler.t_initial = max(steps_before(cfg, epochs, len(self.train_y), self.world) - warmup, 1)  # timm reads it at every step
         self.budget = {"images_per_s": rate, "epochs": epochs}
         if self.rank == 0:
             save_config(cfg, self.run / CONFIG_NAME)
@@ -740,7 +746,7 @@ class Job:
         if seconds < 30 * cfg.train.budget_min:
             self.log("warning: fewer than half the budget's minutes go to steps (one epoch takes longer than the rest); "
                      "use a subset (data.train_size) or a smaller model")
-        for line in schedule_warnings(cfg, self.steps_before(epochs) // epochs, len(self.test_y)):
+        for line in schedule_warnings(cfg, steps_before(cfg, epochs, len(self.train_y), self.world) // epochs, len(self.test_y)):
             self.log(f"warning: {line}")
 
     def kept(self) -> str:
@@ -778,7 +784,7 @@ class Job:
     def batch(self, perm: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This process's share of the step's global batch: images, targets (mixed, with mixup), labels."""
         cfg, rank = self.cfg, self.rank
-        batch = batch_at(cfg, self.epoch, self.world)
+        batch = self.images_per_step
         local = batch // self.world
         seed_step(cfg.train.seed, self.epoch, self.step)  # same on every rank: the global batch is augmented identically
         idx = perm[self.step * batch : (self.step + 1) * batch]
@@ -819,7 +825,7 @@ class Job:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.step += 1
-        self.scheduler.step_update(self.steps_before(self.epoch) + self.step)
+        self.scheduler.step_update(self.steps_earlier + self.step)
         if self.ema is not None:
             self.ema.update(self.model)
         return loss, logits
@@ -894,7 +900,7 @@ def train_loop(job: Job) -> int:
         try:
             while job.epoch < cfg.train.epochs:
                 net.train()
-                job.sizes, job.steps_per_epoch = sizes_at(cfg, job.epoch), job.steps_in(job.epoch)
+                job.begin_epoch()
                 perm = torch.randperm(len(job.train_y), generator=torch.Generator().manual_seed(cfg.train.seed * 1009 + job.epoch))
                 tally = Tally(**job.partial)  # a resumed epoch goes on counting from where it stopped
                 loss_sum = torch.tensor(tally.loss_sum, device=job.device, dtype=torch.float64)
@@ -903,7 +909,7 @@ def train_loop(job: Job) -> int:
                 tty = sys.stderr.isatty()
                 bar = tqdm(total=job.steps_per_epoch, initial=job.step, desc=desc, disable=job.rank != 0 or not tty, dynamic_ncols=True)
                 first = job.step  # a resumed epoch: its progress lines count this session's steps
-                probe = RateProbe(batch_at(cfg, job.epoch, world), job.steps_per_epoch - first) if cfg.train.budget_min and job.budget is None else None
+                probe = RateProbe(job.images_per_step, job.steps_per_epoch - first) if cfg.train.budget_min and job.budget is None else None
                 beat = Heartbeat(f"{desc} step", job.steps_per_epoch - first, every=60.0, log=log, enabled=job.rank == 0 and not tty)
                 while job.step < job.steps_per_epoch:
                     if progress is not None:
