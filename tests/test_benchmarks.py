@@ -882,3 +882,13 @@ def test_the_time_to_accuracy_table_is_the_record():
     page = (ROOT / "docs" / "benchmarks.md").read_text()
     table = [line for line in (ROOT / "docs" / "time_to_accuracy" / "table.md").read_text().splitlines() if line.startswith("| ")]
     assert table and all(line in page for line in table[2:])
+
+
+def test_the_finish_docs_show_is_the_finish_the_study_measured():
+    """docs/training.md's finish command sets what the study's finish row set (its precision aside), so the page's
+    numbers are for the command a user copies."""
+    study = load_benchmark("time_to_accuracy")
+    line = next(ln for ln in (ROOT / "docs" / "training.md").read_text().splitlines() if "--init runs/A" in ln)
+    shown = [o.strip('"') for o in re.findall(r'--set ("[^"]+"|\S+)', line)]
+    assert shown == [o for o in study.FINISH_AT_32 if not o.startswith("train.amp")]
+    assert "--config configs/shapes.yaml" in line and study.SUITES["main"][0]["6 epochs + finish"].spec.overrides == study.FINISH_AT_32
