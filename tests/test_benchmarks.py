@@ -892,3 +892,11 @@ def test_the_finish_docs_show_is_the_finish_the_study_measured():
     shown = [o.strip('"') for o in re.findall(r'--set ("[^"]+"|\S+)', line)]
     assert shown == [o for o in study.FINISH_AT_32 if not o.startswith("train.amp")]
     assert "--config configs/shapes.yaml" in line and study.SUITES["main"][0]["6 epochs + finish"].spec.overrides == study.FINISH_AT_32
+
+
+def test_streaming_smoke_measures_a_folder_read_a_batch_at_a_time(tmp_path, capsys):
+    study = load_benchmark("streaming")
+    assert study.main(["--smoke", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| first-40-stream | 40 | 32 | streamed |" in out and "| train16-40-stream | 40 | 16 | streamed |" in out
+    assert len(list((tmp_path / "photos40").rglob("*.jpg"))) == 40

@@ -228,6 +228,7 @@ def check_classes(state: Dict[str, Any], ds, source: str, fix: str) -> List[str]
         raise CheckpointError(f"{source} was trained on classes {', '.join(trained[:6])}{', ...' if len(trained) > 6 else ''} "
                               f"but {ds.name} has other classes ({diff}): each output of the model means one of its own classes; {fix}")
     old, new = data.get("fingerprint"), getattr(ds, "fingerprint", None)
-    if old and new and old != new:
+    same_kind = old and new and old.startswith("files:") == new.startswith("files:")  # a folder read by bytes or by pixels
+    if same_kind and old != new:
         return [f"the training images of {ds.name} changed since {source} was written (same classes, other images)"]
     return []

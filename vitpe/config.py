@@ -77,6 +77,12 @@ class DataConfig:
     crop_ratio: List[float] = field(default_factory=lambda: [0.75, 1.3333])  # the box's width / height, [min, max]
     mixup: float = 0.0  # mixup alpha (0: off)
     cutmix: float = 0.0  # cutmix alpha (0: off)
+    # An image folder read a batch at a time (true) or held in memory (false); null chooses from the folder's size and
+    # the memory available, and the run's first note says which. A resumed run keeps its choice.
+    stream: Optional[bool] = None
+    # DataLoader processes that decode the next batches while a step runs (null: 2 for a streamed folder, else 0: data
+    # held in memory is sliced faster in the training process than it is sent from another).
+    workers: Optional[int] = None
 
 
 @dataclass
@@ -261,6 +267,7 @@ def _validate(cfg: Config) -> None:
     ranges = [  # key, value, lowest, highest, lowest included, highest included
         ("data.train_size", d.train_size, 1, None, True, True), ("data.test_size", d.test_size, 1, None, True, True),
         ("data.mixup", d.mixup, 0, None, True, True), ("data.cutmix", d.cutmix, 0, None, True, True),
+        ("data.workers", d.workers, 0, None, True, True),
         ("train.epochs", t.epochs, 1, None, True, True), ("train.batch_size", t.batch_size, 1, None, True, True),
         ("train.lr", t.lr, 0, None, False, True), ("train.min_lr", t.min_lr, 0, None, True, True),
         ("train.weight_decay", t.weight_decay, 0, None, True, True), ("train.warmup_epochs", t.warmup_epochs, 0, None, True, True),
@@ -290,6 +297,9 @@ def _validate(cfg: Config) -> None:
         frozen_spec(t.freeze, m.depth)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if d.stream and not d.name.startswith("imagefolder:"):
+        raise ConfigError(f"data.stream=true reads an image folder a batch at a time; {d.name} is held in memory, as its own "
+                          "files are; drop data.stream (data.workers=2 decodes its batches in DataLoader workers)")
     if cfg.init.weights is not None and not (cfg.init.source or "").startswith("timm:"):
         raise ConfigError("init.weights (--init-weights) goes with init.source=timm:NAME; a run or a folder carries its own weights")
     if t.warmup_steps is not None and t.steps is None:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .data.memory import gib, host_memory_available  # noqa: F401 (gib: the name commands import from here)
 from .errors import VitpeError
 
 __all__ = ["resolve_device", "amp_dtype", "autocast", "seed_step", "Heartbeat", "progress_steps", "memory_available", "gib",
@@ -96,24 +97,12 @@ def memory_available(device: torch.device) -> int:
     """Bytes a new computation on ``device`` can take: free GPU memory, or the system's available memory on CPU."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        return int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):  # not Linux: what the machine has in all
-        import os
-
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host_memory_available()
 
 
 def _tokens(model: nn.Module, size: Sequence[int], patch_size: Optional[int]) -> int:
     p = patch_size or model.patch_size
     return (size[0] // p) * (size[1] // p) + model.num_prefix_tokens
-
-
-def gib(n: float) -> str:
-    """Bytes for a message: GiB with one decimal, MiB below a tenth of one (so a small plan is not "0.0 GiB")."""
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.1f} MiB"
 
 
 def score_bytes(heads: int, tokens: int) -> int:

@@ -167,11 +167,12 @@ def default_resolutions(img_size: int, patch: int) -> List[Tuple[int, int]]:
 def data_args(config: Config, name: Optional[str] = None, data_dir: Optional[str] = None, test_size: Optional[int] = None,
               image_size: Optional[Tuple[int, int]] = None) -> tuple:
     """``load_dataset``'s arguments for the data a run's ``config`` was trained on (or ``name``), with its test
-    subset unless another is given: also the key under which one evaluation shares a loaded dataset."""
+    subset unless another is given, read as the run read it (a folder streamed or held): also the key under which one
+    evaluation shares a loaded dataset."""
     own = config.data
     name = name or own.name
     test_size = test_size or (own.test_size if name == own.name else None)
-    return name, data_dir or own.data_dir, None, test_size, image_size or (config.model.img_size,) * 2
+    return name, data_dir or own.data_dir, None, test_size, image_size or (config.model.img_size,) * 2, own.stream if name == own.name else None
 
 
 def dataset_of(config: Config, name: Optional[str] = None, data_dir: Optional[str] = None, test_size: Optional[int] = None,

@@ -55,6 +55,7 @@ from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, crop_boxes, normalize
 from vitpe.data.datasets import TRAIN_SIZES
 from vitpe.data.mixed import draw_sizes, mixed_batch
+from vitpe.data.stream import BatchLoader, StepPlan, planned
 from vitpe.engine import Heartbeat, amp_dtype, autocast, gib, memory_available, pick_cpu_amp, resolve_device, seed_step, train_step_bytes
 from vitpe.errors import VitpeError, command_name
 from vitpe.evaluation import evaluate
@@ -494,7 +495,12 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
 
     # ---- data ------------------------------------------------------------------------------------
     size = (cfg.model.img_size, cfg.model.img_size)
-    ds = load_dataset(cfg.data.name, cfg.data.data_dir, cfg.data.train_size, cfg.data.test_size, size)
+    stream = cfg.data.stream
+    if stream is None and state is not None:  # a resumed run reads its data as it began: the same pixels at every step
+        stream = bool((state.get("data") or {}).get("streamed"))
+    ds = load_dataset(cfg.data.name, cfg.data.data_dir, cfg.data.train_size, cfg.data.test_size, size, stream=stream)
+    if cfg.data.name.startswith("imagefolder:"):  # config.yaml records the choice: a resume and eval.py read the data as the run did
+        cfg.data.stream = ds.streamed
     train_x, train_y = ds.split(True, size)
     test_x, test_y = ds.split(False, size)
     notes = list(ds.notes)
@@ -505,7 +511,7 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
     # Multi-resolution training: shapes is rendered natively at each size once; other data is resized per batch.
     sizes = train_resolutions(cfg)
     packed = cfg.train.max_tokens is not None  # mixed sizes: each batch renders or resizes its own images (Job.batch)
-    train_at = {} if packed else {s: ds.split(True, (s, s))[0] if ds.renders_natively else train_x for s in sizes}
+    train_at = {} if packed or ds.streamed else {s: ds.split(True, (s, s))[0] if ds.renders_natively else train_x for s in sizes}
     augment = BatchAugment(cfg.data.augment, flip=ds.flip_ok)
     if cfg.data.augment == "flip" and not ds.flip_ok:
         raise ConfigError(f"{cfg.data.name}'s labels change under a mirror image, so data.augment=flip would do nothing; use "
@@ -706,6 +712,7 @@ class Job:
     last_saved: Optional[Tuple[int, int]]
     budget: Optional[Dict[str, float]] = None  # train.budget_min's decision: the measured rate and the epochs it allows
     board: Optional[TensorBoardLog] = None  # train.tensorboard's event files (rank 0)
+    loader: Optional[BatchLoader] = None  # the epoch's batches decoded ahead in DataLoader workers (data.workers)
     # The current epoch's facts (begin_epoch), read at every step; a train.resolution_schedule changes them by epoch.
     sizes: List[int] = field(init=False)  # what its batches draw their size from
     images_per_step: int = field(init=False)  # the global batch (train.schedule_batch=tokens changes it by stage)
@@ -781,33 +788,69 @@ class Job:
             return None
         return crop_boxes(n, data.crop_scale, data.crop_ratio, square=self.ds.renders_natively)
 
+    def draw(self, perm: torch.Tensor, step: int) -> StepPlan:
+        """Step ``step``'s samples, size and crop boxes, drawn from generators seeded by where the step stands in the
+        run (the same on every rank): a function of the step alone, so a loader can draw it ahead and a resumed run
+        draws what an uninterrupted one did. Packing draws each image's size after this (:meth:`batch`)."""
+        batch = self.images_per_step
+        seed_step(self.cfg.train.seed, self.epoch, step)
+        idx = perm[step * batch : (step + 1) * batch]
+        boxes = self.crop_boxes(len(idx))
+        if self.cfg.train.max_tokens is not None:
+            return StepPlan(step, idx, None, boxes)
+        res = self.sizes[torch.randint(len(self.sizes), ()).item()] if len(self.sizes) > 1 else self.sizes[0]
+        return StepPlan(step, idx, (res, res), boxes)
+
+    def mine(self) -> slice:
+        """This process's share of a global batch."""
+        local = self.images_per_step // self.world
+        return slice(self.rank * local, (self.rank + 1) * local)
+
+    def decode(self, plan: StepPlan) -> torch.Tensor:
+        """The images of ``plan`` that this process trains on, at the plan's size: what a loader's worker runs."""
+        mine = self.mine() if self.ds.streamed else slice(None)  # decoding is the cost: a streamed folder decodes its share
+        boxes = None if plan.boxes is None else plan.boxes[mine]
+        if boxes is not None or self.ds.streamed:  # content scale augmentation: each image a random box of itself
+            return self.ds.images_at(True, plan.index[mine], plan.size, boxes)
+        x = self.train_at[plan.size[0]][plan.index]
+        return x if x.shape[-1] == plan.size[1] else resize_images(x, plan.size)
+
     def batch(self, perm: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This process's share of the step's global batch: images, targets (mixed, with mixup), labels."""
         cfg, rank = self.cfg, self.rank
-        batch = self.images_per_step
-        local = batch // self.world
-        seed_step(cfg.train.seed, self.epoch, self.step)  # same on every rank: the global batch is augmented identically
-        idx = perm[self.step * batch : (self.step + 1) * batch]
-        boxes = self.crop_boxes(len(idx))
+        plan = self.draw(perm, self.step)  # seeds the step: the global batch is augmented identically on every rank
+        idx, boxes, mine = plan.index, plan.boxes, self.mine()
         if cfg.train.max_tokens is not None:  # NaViT: every image at its own size and aspect ratio, packed
             sizes = draw_sizes(len(idx), self.sizes, self.model.patch_size, self.ds.aspects(True))
-            mine = slice(rank * local, (rank + 1) * local)
             x = mixed_batch(self.ds, True, idx[mine], sizes[mine], self.model.patch_size, cfg.train.max_tokens, self.augment,
                             cfg.train.token_keep, None if boxes is None else boxes[mine]).to(self.device, non_blocking=True)
             y = self.train_y[idx][mine].to(self.device, non_blocking=True)
             seed_step(cfg.train.seed, self.epoch, self.step, rank)
             return x, y, y
-        res = self.sizes[torch.randint(len(self.sizes), ()).item()] if len(self.sizes) > 1 else self.sizes[0]
-        if boxes is not None:  # content scale augmentation: each image a random box of itself, at this size
-            x = self.ds.images_at(True, idx, (res, res), boxes)
-        else:
-            x = self.train_at[res][idx]
-            x = x if x.shape[-1] == res else resize_images(x, (res, res))
-        x = self.augment(x)[rank * local : (rank + 1) * local]
-        y = self.train_y[idx][rank * local : (rank + 1) * local]
+        x = self.loader.images(self.step) if self.loader is not None else self.decode(plan)
+        if self.ds.streamed and self.world > 1:  # only this share was decoded: the augmentation still draws for the whole batch
+            whole = x.new_zeros((len(idx), *x.shape[1:]))
+            whole[mine] = x
+            x = whole
+        x = self.augment(x)[mine]
+        y = self.train_y[idx][mine]
         x, y = normalize(x.to(self.device, non_blocking=True), self.ds.mean, self.ds.std), y.to(self.device, non_blocking=True)
         seed_step(cfg.train.seed, self.epoch, self.step, rank)  # per-rank: dropout, drop-path, mixup
         return (*self.mixup(x, y), y) if self.mixup is not None else (x, y, y)
+
+    def batch_loader(self, perm: torch.Tensor) -> Optional[BatchLoader]:
+        """DataLoader workers that decode the rest of the epoch's batches ahead of its steps (``data.workers``; by default
+        2 for a streamed folder), or None: the training process reads each batch itself. Packing reads its own."""
+        workers = self.cfg.data.workers
+        workers = min(2, os.cpu_count() or 1) if workers is None and self.ds.streamed else (workers or 0)
+        if workers == 0 or self.cfg.train.max_tokens is not None or self.step >= self.steps_per_epoch:
+            return None
+        return BatchLoader(self.decode, planned(functools.partial(self.draw, perm)), self.step, self.steps_per_epoch, workers)
+
+    def close_loader(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+            self.loader = None
 
     def update(self, net: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, progress: Optional[Progress]) -> Tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on a batch; the step counter, schedule and EMA advance with it. Returns (loss, logits)."""
@@ -909,6 +952,7 @@ def train_loop(job: Job) -> int:
                 tty = sys.stderr.isatty()
                 bar = tqdm(total=job.steps_per_epoch, initial=job.step, desc=desc, disable=job.rank != 0 or not tty, dynamic_ncols=True)
                 first = job.step  # a resumed epoch: its progress lines count this session's steps
+                job.loader = job.batch_loader(perm)
                 probe = RateProbe(job.images_per_step, job.steps_per_epoch - first) if cfg.train.budget_min and job.budget is None else None
                 beat = Heartbeat(f"{desc} step", job.steps_per_epoch - first, every=60.0, log=log, enabled=job.rank == 0 and not tty)
                 while job.step < job.steps_per_epoch:
@@ -945,6 +989,7 @@ def train_loop(job: Job) -> int:
                         beat.tick(job.step - first, f" | train loss {avg:.3f} acc {tally.correct / tally.seen:.3f}, {rate} img/s")
                     bar.update(1)
                 bar.close()
+                job.close_loader()
                 job.finish_epoch(tally, loss_sum, tally.epoch_s + time.time() - t_epoch, wall_origin)
                 if distributed:
                     dist.barrier()
@@ -961,6 +1006,8 @@ def train_loop(job: Job) -> int:
                 raise TrainingError(f"rank {job.rank}: no answer from the other processes within train.dist_timeout_s="
                                     f"{cfg.train.dist_timeout_s:g}s{progress.laggards() if progress else ''}; {job.kept()}") from None
             raise
+        finally:
+            job.close_loader()  # a stop, an error or the end: its workers stop with it
 
     if job.rows:
         tta = f"test_top1_tta_{cfg.train.eval_tta}"

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +87,9 @@ class ImageDataset:
     position_classes: Tuple[int, ...] = ()
     notes: Tuple[str, ...] = ()  # what loading skipped or changed and why, one line each (the command lines print them)
     fingerprint: Optional[str] = None  # which training images, with which labels (an image folder's; a checkpoint keeps it)
+    # Read a batch at a time from files (vitpe.data.stream): a split is a FolderSplit, decoded as it is indexed.
+    streamed: bool = False
+    _measure_aspects: Optional[Callable[[bool], Tensor]] = field(repr=False, default=None)
 
     @property
     def num_classes(self) -> int:
@@ -97,7 +100,7 @@ class ImageDataset:
         size = tuple(size or self.native_size)
         key = (train, size)
         if key not in self._cache:
-            if self.renders_natively:
+            if self.renders_natively or self.streamed:
                 self._cache[key] = self._load(train, size)
             else:
                 native = self._cache.get((train, tuple(self.native_size))) or self._load(train, tuple(self.native_size))
@@ -109,7 +112,7 @@ class ImageDataset:
         """:meth:`split` at ``size``, or, where the whole split at that size would take more than ``max_bytes``, images
         made a slice at a time as they are indexed (the same pixels; nothing kept): memory stays bounded at any size."""
         labels = self.split(train)[1]
-        if len(labels) * self.in_chans * size[0] * size[1] <= max_bytes:
+        if self.streamed or len(labels) * self.in_chans * size[0] * size[1] <= max_bytes:  # a streamed split is made as indexed
             return self.split(train, size)
         return LazySplit(self, train, tuple(size), len(labels)), labels
 
@@ -131,11 +134,14 @@ class ImageDataset:
     def aspects(self, train: bool) -> Optional[Tensor]:
         """Width / height of each sample of a split, when they differ (an image folder: the aspect ratio of the copy
         it keeps, the file's own to a pixel); None when every sample has the dataset's native size."""
+        if train not in self._aspects and self._measure_aspects is not None:  # a streamed folder reads its files' headers once
+            self._aspects[train] = self._measure_aspects(train)
         return self._aspects.get(train)
 
     def describe(self) -> Dict:
         return {"name": self.name, "classes": list(self.classes), "in_chans": self.in_chans, "native_size": list(self.native_size),
-                "mean": list(self.mean), "std": list(self.std), **({"fingerprint": self.fingerprint} if self.fingerprint else {})}
+                "mean": list(self.mean), "std": list(self.std), **({"fingerprint": self.fingerprint} if self.fingerprint else {}),
+                **({"streamed": True} if self.streamed else {})}
 
 
 @dataclass
@@ -317,19 +323,37 @@ def _cifar(name: str, data_dir: Path, train_size: Optional[int], test_size: Opti
 
 
 # ---- imagefolder -----------------------------------------------------------------------------------
-def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int], size: Tuple[int, int] = (32, 32)) -> ImageDataset:
+def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int], size: Tuple[int, int] = (32, 32),
+                 stream: Optional[bool] = None, memory: Optional[int] = None) -> ImageDataset:
     """Class-per-folder images (:func:`vitpe.data.images.read_folder`: each picture once, upright). ``root/train`` and
     ``root/test`` (or ``val``) if present, else a fixed 90/10 split of ``root``; either way no test image is a copy of a
-    training image. Images are converted to RGB and resized to ``size``; each also keeps a copy of ``size``'s area at its
-    own aspect ratio, for training and evaluation at native aspect ratio (packed)."""
+    training image. Held in memory, images are converted to RGB and resized to ``size``; each also keeps a copy of
+    ``size``'s area at its own aspect ratio, for training and evaluation at native aspect ratio (packed). ``stream``:
+    read a batch at a time instead (:mod:`vitpe.data.stream`); None chooses, from the folder's size and ``memory`` (bytes
+    available; default: what the machine has free), and the first note says which and why."""
     from PIL import Image
     from torchvision.transforms.functional import pil_to_tensor
+
+    from .images import scan_folder
+    from .memory import gib, host_memory_available
+    from .stream import in_memory_bytes, stream_memory
 
     if not root.is_dir():
         raise DataError(f"imagefolder path {root} is not a directory; give imagefolder:PATH with one sub-folder per class")
     test_dir = next((root / d for d in ("test", "val") if (root / d).is_dir()), None)
     has_split = (root / "train").is_dir() and test_dir is not None
     area = size[0] * size[1]
+    n_files = sum(len(scan_folder(d).paths) for d in ((root / "train", test_dir) if has_split else (root,)))
+    memory = host_memory_available() if memory is None else memory
+    need = f"about {gib(in_memory_bytes(n_files, size))} of the {gib(memory)} available"
+    held = f"held in memory they take {need}"
+    if stream is None:
+        stream = stream_memory(n_files, size, memory)
+        how = (f"read a batch at a time ({held}; data.stream=false holds them)" if stream
+               else f"held in memory ({need}; data.stream=true reads them a batch at a time)")
+    else:
+        how = f"read a batch at a time (data.stream=true; {held})" if stream else "held in memory (data.stream=false)"
+    first_note = f"imagefolder {root}: {n_files:,} image files, {how}"
 
     def decode(rgb) -> Tuple[Tensor, Tensor]:
         a = rgb.width / rgb.height
@@ -337,7 +361,8 @@ def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int]
         return pil_to_tensor(rgb.resize(size[::-1], Image.BICUBIC)), pil_to_tensor(rgb.resize(own, Image.BICUBIC))
 
     if has_split:
-        parts = {True: read_folder(root / "train", decode), False: read_folder(test_dir, decode, every_class=False)}
+        parts = {True: read_folder(root / "train", decode, by_bytes=stream),
+                 False: read_folder(test_dir, decode, every_class=False, by_bytes=stream)}
         if parts[False].classes != parts[True].classes:
             train_only = sorted(set(parts[True].classes) - set(parts[False].classes))
             test_only = sorted(set(parts[False].classes) - set(parts[True].classes))
@@ -345,19 +370,26 @@ def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int]
                             f"{', '.join(train_only) or '-'}; only in {test_dir.name}: {', '.join(test_only) or '-'})")
         drop_copies_of(parts[False], parts[True], root)
     else:
-        whole = read_folder(root, decode)  # copies are already gone, so none can land on both sides of the split
+        whole = read_folder(root, decode, by_bytes=stream)  # copies are already gone, so none can land on both sides of the split
         order = torch.randperm(len(whole.labels), generator=torch.Generator().manual_seed(0)).tolist()
         n_test = max(1, len(order) // 10)
-        parts = {is_train: FolderImages(whole.classes, *([getattr(whole, k)[i] for i in index] for k in ("paths", "labels", "digests", "pictures")))
+        parts = {is_train: FolderImages(whole.classes, *([getattr(whole, k)[i] for i in index] if getattr(whole, k) else []
+                                                         for k in ("paths", "labels", "digests", "pictures")))  # pictures: none if streamed
                  for is_train, index in ((False, order[:n_test]), (True, order[n_test:]))}
         parts[True].notes = whole.notes
-    classes, notes = parts[True].classes, parts[True].notes + parts[False].notes
-    splits, natives = {}, {}
+    classes, notes = parts[True].classes, [first_note] + parts[True].notes + parts[False].notes
+    counts = {}  # images in each split, data.train_size / test_size applied
     for is_train, part in parts.items():
         n = len(part.labels) if (limit := train_size if is_train else test_size) is None else min(len(part.labels), limit)
         if n == 0:
             why = f" ({' / '.join(part.notes)})" if part.notes else ""
             raise DataError(f"imagefolder {root}: the {'training' if is_train else 'test'} split has no images{why}; add some")
+        counts[is_train] = n
+    if stream:
+        return _streamed_folder(root, parts, counts, size, classes, notes)
+    splits, natives = {}, {}
+    for is_train, part in parts.items():
+        n = counts[is_train]
         splits[is_train] = (torch.stack([p[0] for p in part.pictures[:n]]), torch.tensor(part.labels[:n], dtype=torch.long))
         natives[is_train] = [p[1] for p in part.pictures[:n]]
     mean = tuple((splits[True][0].float().mean((0, 2, 3)) / 255).tolist())
@@ -373,14 +405,36 @@ def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int]
                         _pick=pick, _aspects=aspects, notes=tuple(notes), fingerprint=fingerprint)
 
 
+def _streamed_folder(root: Path, parts: Dict[bool, FolderImages], counts: Dict[bool, int], size: Tuple[int, int],
+                     classes: Tuple[str, ...], notes: List[str]) -> ImageDataset:
+    """An image folder read a batch at a time: the first ``counts[split]`` files' paths and labels are all it holds."""
+    from .stream import FolderSplit, decode_many, folder_aspects, sample_stats
+
+    paths = {t: part.paths[: counts[t]] for t, part in parts.items()}
+    labels = {t: torch.tensor(part.labels[: counts[t]], dtype=torch.long) for t, part in parts.items()}
+    mean, std = sample_stats(paths[True])
+    n_train = len(labels[True])
+    fingerprint = "files:" + digest_of(parts[True].digests[:n_train], parts[True].labels[:n_train])  # by bytes, not pixels
+
+    def pick(train: bool, index: Tensor, size: Tuple[int, int], boxes: Optional[Tensor] = None) -> Tensor:
+        return decode_many([paths[train][i] for i in index.tolist()], size, boxes)
+
+    return ImageDataset(f"imagefolder:{root}", classes, 3, size, mean, std, True, False,
+                        lambda train, s: (FolderSplit(paths[train], tuple(s)), labels[train]), _pick=pick, _pick_zoomed=pick,
+                        notes=tuple(notes), fingerprint=fingerprint, streamed=True,
+                        _measure_aspects=lambda train: folder_aspects(paths[train]))
+
+
 DATASETS = ("shapes", "gratings", "fashion_mnist", "cifar10", "cifar100", "imagefolder:PATH")
 
 
 def load_dataset(
     name: str, data_dir: Optional[str] = None, train_size: Optional[int] = None, test_size: Optional[int] = None,
-    image_size: Tuple[int, int] = (32, 32),
+    image_size: Tuple[int, int] = (32, 32), stream: Optional[bool] = None, memory: Optional[int] = None,
 ) -> ImageDataset:
-    """The dataset called ``name`` (see :data:`DATASETS`); ``data_dir`` defaults to ``./data``."""
+    """The dataset called ``name`` (see :data:`DATASETS`); ``data_dir`` defaults to ``./data``. ``stream`` (an image
+    folder): read it a batch at a time (True), hold it in memory (False), or choose from its size and ``memory``, the
+    bytes it may use (None; default: what the machine has available)."""
     root = Path(data_dir or "data")
     if name == "shapes":
         return _shapes(root, train_size, test_size)
@@ -391,5 +445,5 @@ def load_dataset(
     if name in ("cifar10", "cifar100"):
         return _cifar(name, root, train_size, test_size)
     if name.startswith("imagefolder:"):
-        return _imagefolder(Path(name.split(":", 1)[1]).expanduser(), train_size, test_size, tuple(image_size))
+        return _imagefolder(Path(name.split(":", 1)[1]).expanduser(), train_size, test_size, tuple(image_size), stream, memory)
     raise DataError(f"unknown dataset {name!r}{did_you_mean(name, DATASETS)}; choose one of {', '.join(DATASETS)}")

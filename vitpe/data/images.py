@@ -9,6 +9,7 @@ line each, for the command line to print.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -20,7 +21,8 @@ from torch import Tensor
 
 from ..errors import VitpeError
 
-__all__ = ["DataError", "IMAGE_EXTENSIONS", "open_image", "FolderImages", "read_folder", "drop_copies_of", "digest_of", "read_images"]
+__all__ = ["DataError", "IMAGE_EXTENSIONS", "open_image", "FolderImages", "FolderScan", "scan_folder", "file_digests", "read_folder",
+           "drop_copies_of", "digest_of", "read_images"]
 
 # What PIL decodes and users keep images in; a GIF gives its first frame.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".pgm", ".pbm", ".bmp", ".gif", ".tif", ".tiff", ".webp")
@@ -61,13 +63,19 @@ def _to_rgb(im, path: str, file_format: Optional[str] = None):
     return im.convert("RGB")
 
 
-def open_image(path) -> "PIL.Image.Image":  # noqa: F821 (PIL is imported where it is used)
+def open_image(path, at_least: Optional[Tuple[float, float]] = None) -> "PIL.Image.Image":  # noqa: F821 (PIL is imported where it is used)
     """The file at ``path`` as the 8-bit RGB picture a viewer shows: EXIF orientation applied (a phone photo taken
-    sideways stands up), 16-bit pixels scaled. One-line :class:`DataError` for a missing, unreadable or too-large file."""
+    sideways stands up), 16-bit pixels scaled. ``at_least = (width, height)``: the upright picture may come smaller, down
+    to that size (a JPEG decodes at 1/2, 1/4 or 1/8 scale for a fraction of the work; other formats ignore it). One-line
+    :class:`DataError` for a missing, unreadable or too-large file."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         with Image.open(path) as im:
+            if at_least is not None and im.format == "JPEG":
+                turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # orientations that swap width and height
+                w, h = at_least[::-1] if turned else at_least
+                im.draft(None, (math.ceil(w), math.ceil(h)))
             return _to_rgb(ImageOps.exif_transpose(im), str(path), im.format)
     except FileNotFoundError:
         raise DataError(f"image {path} does not exist") from None
@@ -139,10 +147,20 @@ def _class_files(class_dir: Path, root: Path, seen_dirs: Dict[str, str], skipped
     return files
 
 
-def read_folder(root: Path, decode=None, every_class: bool = True) -> FolderImages:
-    """Every image under ``root/CLASS/`` once, with its class. ``decode(picture)`` turns each upright RGB PIL picture into
-    what is kept (default: the picture itself). Raises :class:`DataError` for fewer than two class folders, or (with
-    ``every_class``, as for training) a class folder without images."""
+@dataclass
+class FolderScan:
+    """What :func:`scan_folder` found: the class folders, each image file with its class, and what was skipped."""
+
+    root: Path
+    classes: Tuple[str, ...]
+    paths: List[str]
+    labels: List[int]
+    skipped: Dict[str, List[str]]
+
+
+def scan_folder(root: Path) -> FolderScan:
+    """The image files under ``root/CLASS/`` (links followed, each folder read once), with their classes; nothing is
+    opened. Raises :class:`DataError` for fewer than two class folders or a class folder that links to another."""
     root = Path(root)
     skipped: Dict[str, List[str]] = defaultdict(list)
     classes = []
@@ -159,25 +177,74 @@ def read_folder(root: Path, decode=None, every_class: bool = True) -> FolderImag
     if len(classes) < 2:
         raise DataError(f"imagefolder {root} has 1 class folder ({classes[0]}); a classifier needs at least 2 classes: "
                         "add a folder per class")
-    out = FolderImages(tuple(classes))
     seen_dirs = {os.path.realpath(root): "."}
-    by_digest: Dict[str, List[int]] = defaultdict(list)  # digest -> indices into the lists below
-    paths, labels, digests, pictures = [], [], [], []
+    paths, labels = [], []
     for label, name in enumerate(classes):
-        class_dir = root / name
-        real = os.path.realpath(class_dir)
+        real = os.path.realpath(root / name)
         if real in seen_dirs:
             raise DataError(f"imagefolder {root}: class folder {name} is a link to {seen_dirs[real]}, read already: one picture "
                             "cannot be two classes; remove the link, or give the class its own images")
         seen_dirs[real] = name
-        for path in _class_files(class_dir, root, seen_dirs, skipped):
-            im = open_image(path)
-            digest = _pixel_digest(im)
-            by_digest[digest].append(len(paths))
+        for path in _class_files(root / name, root, seen_dirs, skipped):
             paths.append(path)
             labels.append(label)
-            digests.append(digest)
+    return FolderScan(root, tuple(classes), paths, labels, skipped)
+
+
+_HEAD_BYTES = 4096
+
+
+def _head_key(path: str) -> str:
+    with open(path, "rb") as f:
+        return f"{os.fstat(f.fileno()).st_size}:{hashlib.sha256(f.read(_HEAD_BYTES)).hexdigest()}"
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_digests(paths: Sequence[str]) -> List[str]:
+    """A digest per file, equal exactly when two files hold the same bytes: the size and the first 4 KiB, and where
+    files share those, the SHA-256 of all their bytes. A folder of any size is told apart from 4 KiB a file (photos
+    differ in their first bytes), so listing 20,000 photos reads 80 MB, not their gigabytes; a copy is always caught."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:  # file reads and hashing release the GIL
+        heads = list(pool.map(_head_key, paths))
+        counts: Dict[str, int] = defaultdict(int)
+        for k in heads:
+            counts[k] += 1
+        shared = [i for i, k in enumerate(heads) if counts[k] > 1]
+        for i, full in zip(shared, pool.map(_file_sha256, [paths[i] for i in shared])):
+            heads[i] = f"sha256:{full}"
+    return heads
+
+
+def read_folder(root: Path, decode=None, every_class: bool = True, by_bytes: bool = False) -> FolderImages:
+    """Every image under ``root/CLASS/`` once, with its class. ``decode(picture)`` turns each upright RGB PIL picture into
+    what is kept (default: the picture itself). ``by_bytes``: open nothing and keep no pictures; copies are files with
+    the same bytes (:func:`file_digests`), for data read a batch at a time. Raises :class:`DataError` for fewer than two
+    class folders, or (with ``every_class``, as for training) a class folder without images."""
+    scan = scan_folder(root)
+    root, classes, paths, labels, skipped = scan.root, scan.classes, scan.paths, scan.labels, scan.skipped
+    out = FolderImages(classes)
+    pictures: List = []
+    if by_bytes:
+        digests = file_digests(paths)
+    else:
+        digests = []
+        for path in paths:
+            im = open_image(path)
+            digests.append(_pixel_digest(im))
             pictures.append(decode(im) if decode is not None else im)
+    by_digest: Dict[str, List[int]] = defaultdict(list)  # digest -> indices into the lists above
+    for i, digest in enumerate(digests):
+        by_digest[digest].append(i)
+    same = "bytes" if by_bytes else "pixels"
     drop = set()
     copies, ambiguous = [], []
     for index in by_digest.values():
@@ -195,7 +262,8 @@ def read_folder(root: Path, decode=None, every_class: bool = True) -> FolderImag
             out.paths.append(paths[i])
             out.labels.append(labels[i])
             out.digests.append(digests[i])
-            out.pictures.append(pictures[i])
+            if pictures:
+                out.pictures.append(pictures[i])
     empty = [c for i, c in enumerate(classes) if i not in set(out.labels)]
     if empty and every_class:
         raise DataError(f"imagefolder {root}: class folder {empty[0]} has no images vitpe reads ({', '.join(IMAGE_EXTENSIONS)}); "
@@ -214,10 +282,10 @@ def read_folder(root: Path, decode=None, every_class: bool = True) -> FolderImag
         out.notes.append(f"{where}: skipped {len(skipped['loop'])} links to folders already read, so that no image counts twice "
                          f"({_examples(skipped['loop'])})")
     if copies:
-        out.notes.append(f"{where}: {len(copies)} images appear more than once in one class (the same pixels: "
+        out.notes.append(f"{where}: {len(copies)} images appear more than once in one class (the same {same}: "
                          f"{_examples(copies)}); each is kept once, so no copy lands on both sides of the train/test split")
     if ambiguous:
-        out.notes.append(f"{where}: left out {len(ambiguous)} images found in more than one class (the same pixels: "
+        out.notes.append(f"{where}: left out {len(ambiguous)} images found in more than one class (the same {same}: "
                          f"{_examples(ambiguous)}); their label is ambiguous")
     return out
 
@@ -232,7 +300,7 @@ def drop_copies_of(test: FolderImages, train: FolderImages, root: Path) -> None:
     gone = [os.path.relpath(test.paths[i], root) for i in range(len(test.digests)) if test.digests[i] in seen]
     for name in ("paths", "labels", "digests", "pictures"):
         values = getattr(test, name)
-        setattr(test, name, [values[i] for i in keep])
+        setattr(test, name, [values[i] for i in keep] if values else values)  # pictures: none kept when read by bytes
     test.notes.append(f"imagefolder {root}: left out {len(gone)} test images that are copies of training images "
                       f"({_examples(gone)}), so that the test score measures images the model has not seen")
 
