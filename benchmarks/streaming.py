@@ -2,8 +2,8 @@
 """An image folder held in memory against the same folder read a batch at a time (issue 107; the record
 docs/data/streaming.jsonl, the table docs/data/table.md).
 
-Folders of photo-sized JPEGs (640x480, the shapes dataset drawn at that size, 10 class folders) are made once under
-OUT. Each measurement runs in a fresh process, one at a time:
+Folders of photo-sized JPEGs (640x480: the shapes dataset enlarged, with noise of their own; 10 class folders) are made
+once under OUT. Each measurement runs in a fresh process, one at a time:
 
 - ``first``: from ``load_dataset`` to the first training batch decoded (128 images at the size, content scale crops),
   with the process's peak memory above what it held after its imports (``ru_maxrss``);
@@ -60,8 +60,11 @@ print(json.dumps({"loaded_s": loaded, "first_batch_s": time.perf_counter() - t0,
 """
 
 
-def make_folder(out: Path, n: int, size=PHOTO) -> Path:
-    """``n`` JPEG photos in ``CLASSES`` class folders (the shapes dataset drawn at ``size``), made once."""
+def make_folder(out: Path, n: int, size=PHOTO, scenes: int = 2000) -> Path:
+    """``n`` JPEG photos in ``CLASSES`` class folders, made once: ``scenes`` of the shapes dataset drawn at half the
+    photo's size and enlarged to it, each photo one of them with sensor-like noise of its own (so that no two files or
+    pictures are the same, and a JPEG is as costly to decode as a photo's)."""
+    import numpy as np
     from PIL import Image
 
     from vitpe.data.shapes import render_shapes, shapes_params
@@ -70,15 +73,19 @@ def make_folder(out: Path, n: int, size=PHOTO) -> Path:
     done = folder / ".complete"
     if done.is_file():
         return folder
-    params = shapes_params(n, seed=7)
+    k = min(n, scenes)
+    params = shapes_params(k, seed=7)
+    base = [Image.fromarray(im).resize(size[::-1], Image.BICUBIC)
+            for im in render_shapes(params, (size[0] // 2, size[1] // 2)).permute(0, 2, 3, 1).numpy()]
+    labels = params["label"].tolist()
     for c in range(CLASSES):
         (folder / f"class{c}").mkdir(parents=True, exist_ok=True)
-    for start in range(0, n, 100):
-        chunk = {k: v[start : start + 100] for k, v in params.items()}
-        images = render_shapes(chunk, size).permute(0, 2, 3, 1).numpy()
-        for j, (im, label) in enumerate(zip(images, chunk["label"].tolist())):
-            Image.fromarray(im).save(folder / f"class{label}" / f"{start + j:06d}.jpg", quality=90)
-        print(f"made {min(start + 100, n)}/{n} photos in {folder}", flush=True)
+    rng = np.random.default_rng(n)
+    for i in range(n):
+        noisy = np.asarray(base[i % k], dtype=np.int16) + rng.integers(-8, 9, (*size, 3), dtype=np.int16)
+        Image.fromarray(noisy.clip(0, 255).astype(np.uint8)).save(folder / f"class{labels[i % k]}" / f"{i:06d}.jpg", quality=90)
+        if (i + 1) % 1000 == 0 or i + 1 == n:
+            print(f"made {i + 1}/{n} photos in {folder}", flush=True)
     done.write_text("")
     return folder
 

@@ -24,7 +24,7 @@ SOURCES = {
                                                                              "canvas/canvas.md", "scale_probe/scale_probe.md"))],
     "docs/finetune.md": ["docs/finetune/table.md"],
     "docs/export.md": [],
-    "docs/data.md": [],
+    "docs/data.md": ["docs/data/table.md"],
     "docs/timm.md": [],
     "docs/pe_families.md": ["docs/benchmarks.md"],
     "docs/reliability.md": ["docs/reliability/campaign.json"],

@@ -183,3 +183,14 @@ def test_stream_is_for_folders_and_workers_serve_data_held_in_memory_too(tmp_pat
         assert train_cmd.main(["--config", TINY, "--epochs", "1", "--set", f"data.workers={workers}", "--set", "data.crop_scale=[0.5, 1.0]",
                                "--set", "train.amp=none", "--out-dir", str(tmp_path), "--name", f"w{workers}"]) == 0
     assert_same_weights(load_checkpoint(tmp_path / "w0")["model"], load_checkpoint(tmp_path / "w2")["model"])
+
+
+def test_the_pages_streaming_table_is_the_record():
+    """docs/data.md's rows are what benchmarks/streaming.py --report makes of docs/data/streaming.jsonl."""
+    from conftest import load_benchmark
+
+    study = load_benchmark("streaming")
+    table = study.report(study.read())
+    assert table == (study.RECORD.parent / "table.md").read_text()
+    page = (Path(__file__).parents[1] / "docs" / "data.md").read_text()
+    assert all(line in page for line in table.splitlines() if line.startswith("| ") and "---" not in line)
