@@ -116,8 +116,9 @@ def measure(out: Path, row: str, steps: int) -> Dict:
 def record(rows: List[Dict], path: Path = RECORD) -> None:
     """Add ``rows`` to the record, replacing earlier rows of the same name."""
     kept = [r for r in read(path) if r["row"] not in {x["row"] for x in rows}] if path.is_file() else []
+    order = list(ROWS)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept + rows))
+    path.write_text("".join(json.dumps(r) + "\n" for r in sorted(kept + rows, key=lambda r: order.index(r["row"]) if r["row"] in order else len(order))))
 
 
 def read(path: Path = RECORD) -> List[Dict]:
