@@ -343,7 +343,8 @@ def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int]
     test_dir = next((root / d for d in ("test", "val") if (root / d).is_dir()), None)
     has_split = (root / "train").is_dir() and test_dir is not None
     area = size[0] * size[1]
-    n_files = sum(len(scan_folder(d).paths) for d in ((root / "train", test_dir) if has_split else (root,)))
+    scans = [scan_folder(d) for d in ((root / "train", test_dir) if has_split else (root,))]  # read_folder takes them: one scan
+    n_files = sum(len(scan.paths) for scan in scans)
     memory = host_memory_available() if memory is None else memory
     need = f"about {gib(in_memory_bytes(n_files, size))} of the {gib(memory)} available"
     held = f"held in memory they take {need}"
@@ -361,8 +362,7 @@ def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int]
         return pil_to_tensor(rgb.resize(size[::-1], Image.BICUBIC)), pil_to_tensor(rgb.resize(own, Image.BICUBIC))
 
     if has_split:
-        parts = {True: read_folder(root / "train", decode, by_bytes=stream),
-                 False: read_folder(test_dir, decode, every_class=False, by_bytes=stream)}
+        parts = {True: read_folder(scans[0], decode, by_bytes=stream), False: read_folder(scans[1], decode, every_class=False, by_bytes=stream)}
         if parts[False].classes != parts[True].classes:
             train_only = sorted(set(parts[True].classes) - set(parts[False].classes))
             test_only = sorted(set(parts[False].classes) - set(parts[True].classes))
@@ -370,7 +370,7 @@ def _imagefolder(root: Path, train_size: Optional[int], test_size: Optional[int]
                             f"{', '.join(train_only) or '-'}; only in {test_dir.name}: {', '.join(test_only) or '-'})")
         drop_copies_of(parts[False], parts[True], root)
     else:
-        whole = read_folder(root, decode, by_bytes=stream)  # copies are already gone, so none can land on both sides of the split
+        whole = read_folder(scans[0], decode, by_bytes=stream)  # copies are already gone, so none can land on both sides of the split
         order = torch.randperm(len(whole.labels), generator=torch.Generator().manual_seed(0)).tolist()
         n_test = max(1, len(order) // 10)
         parts = {is_train: FolderImages(whole.classes, *([getattr(whole, k)[i] for i in index] if getattr(whole, k) else []

@@ -14,14 +14,14 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from ..errors import VitpeError
 
-__all__ = ["DataError", "IMAGE_EXTENSIONS", "open_image", "FolderImages", "FolderScan", "scan_folder", "file_digests", "read_folder",
+__all__ = ["DataError", "IMAGE_EXTENSIONS", "open_image", "turned", "FolderImages", "FolderScan", "scan_folder", "file_digests", "read_folder",
            "drop_copies_of", "digest_of", "read_images"]
 
 # What PIL decodes and users keep images in; a GIF gives its first frame.
@@ -63,6 +63,11 @@ def _to_rgb(im, path: str, file_format: Optional[str] = None):
     return im.convert("RGB")
 
 
+def turned(im) -> bool:
+    """Whether an opened picture's EXIF orientation (5-8) swaps its stored width and height when it stands upright."""
+    return im.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+
+
 def open_image(path, at_least: Optional[Tuple[float, float]] = None) -> "PIL.Image.Image":  # noqa: F821 (PIL is imported where it is used)
     """The file at ``path`` as the 8-bit RGB picture a viewer shows: EXIF orientation applied (a phone photo taken
     sideways stands up), 16-bit pixels scaled. ``at_least = (width, height)``: the upright picture may come smaller, down
@@ -73,8 +78,7 @@ def open_image(path, at_least: Optional[Tuple[float, float]] = None) -> "PIL.Ima
     try:
         with Image.open(path) as im:
             if at_least is not None and im.format == "JPEG":
-                turned = im.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # orientations that swap width and height
-                w, h = at_least[::-1] if turned else at_least
+                w, h = at_least[::-1] if turned(im) else at_least
                 im.draft(None, (math.ceil(w), math.ceil(h)))
             return _to_rgb(ImageOps.exif_transpose(im), str(path), im.format)
     except FileNotFoundError:
@@ -222,12 +226,13 @@ def file_digests(paths: Sequence[str]) -> List[str]:
     return heads
 
 
-def read_folder(root: Path, decode=None, every_class: bool = True, by_bytes: bool = False) -> FolderImages:
-    """Every image under ``root/CLASS/`` once, with its class. ``decode(picture)`` turns each upright RGB PIL picture into
-    what is kept (default: the picture itself). ``by_bytes``: open nothing and keep no pictures; copies are files with
-    the same bytes (:func:`file_digests`), for data read a batch at a time. Raises :class:`DataError` for fewer than two
-    class folders, or (with ``every_class``, as for training) a class folder without images."""
-    scan = scan_folder(root)
+def read_folder(root: Union[Path, FolderScan], decode=None, every_class: bool = True, by_bytes: bool = False) -> FolderImages:
+    """Every image under ``root/CLASS/`` once, with its class (``root``: a folder, or its :func:`scan_folder` already
+    made). ``decode(picture)`` turns each upright RGB PIL picture into what is kept (default: the picture itself).
+    ``by_bytes``: open nothing and keep no pictures; copies are files with the same bytes (:func:`file_digests`), for
+    data read a batch at a time. Raises :class:`DataError` for fewer than two class folders, or (with ``every_class``,
+    as for training) a class folder without images."""
+    scan = root if isinstance(root, FolderScan) else scan_folder(root)
     root, classes, paths, labels, skipped = scan.root, scan.classes, scan.paths, scan.labels, scan.skipped
     out = FolderImages(classes)
     pictures: List = []

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .images import DataError, open_image
+from .images import DataError, open_image, turned
 
 __all__ = ["decode_at", "decode_many", "FolderSplit", "in_memory_bytes", "stream_memory", "StepPlan", "BatchLoader", "planned", "sample_stats",
            "folder_aspects"]
@@ -196,9 +196,7 @@ def aspect_of(path: str) -> float:
 
     try:
         with Image.open(path) as im:
-            w, h = im.size
-            if im.getexif().get(0x0112, 1) in (5, 6, 7, 8):
-                w, h = h, w
+            w, h = im.size[::-1] if turned(im) else im.size
     except (OSError, SyntaxError, ValueError) as e:
         raise DataError(f"cannot read image {path} ({type(e).__name__}: {str(e)[:80]}); remove or replace it") from None
     return w / h
