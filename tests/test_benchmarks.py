@@ -898,5 +898,6 @@ def test_streaming_smoke_measures_a_folder_read_a_batch_at_a_time(tmp_path, caps
     study = load_benchmark("streaming")
     assert study.main(["--smoke", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| first-40-stream | 40 | 32 | streamed |" in out and "| train16-40-stream | 40 | 16 | streamed |" in out
+    assert "| first-40-stream | 40 | 32 | streamed |" in out and "| train16-40-stream | 16 | streamed | 0 | on |" in out
+    assert "| train16-40-shards | 16 | tar shards | 0 | on |" in out and (tmp_path / "shards40" / "shards.json").is_file()
     assert len(list((tmp_path / "photos40").rglob("*.jpg"))) == 40

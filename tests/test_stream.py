@@ -194,3 +194,31 @@ def test_the_pages_streaming_table_is_the_record():
     assert table == (study.RECORD.parent / "table.md").read_text()
     page = (Path(__file__).parents[1] / "docs" / "data.md").read_text()
     assert all(line in page for line in table.splitlines() if line.startswith("| ") and "---" not in line)
+
+
+def test_a_decoded_cache_cuts_the_crops_a_decode_gives_and_lives_as_long_as_the_run(tmp_path, capsys):
+    from vitpe.config import ConfigError
+    from vitpe.data.stream import DecodedCache, cache_slot
+
+    assert cache_slot(32, [0.35, 1.0], [0.75, 1.3333]) == (63, 63) and cache_slot(48, None, [0.75, 1.3333]) == (48, 48)
+    photo = np.random.default_rng(1).integers(0, 256, (12, 16, 3), dtype=np.uint8).repeat(40, 0).repeat(40, 1)  # 480x640, 40-px blocks
+    Image.fromarray(photo).save(tmp_path / "photo.jpg", quality=95)
+    cache = DecodedCache(tmp_path / "c.u8", 3, cache_slot(32, [0.35, 1.0], [0.75, 1.3333]))
+    box = (0.2, 0.3, 0.55, 0.6)
+    first = cache.cut(2, str(tmp_path / "photo.jpg"), (32, 32), box)
+    assert cache.filled.tolist() == [0, 0, 1]
+    assert torch.equal(cache.cut(2, b"not read again", (32, 32), box), first)  # from the slot: the file is not decoded twice
+    direct = decode_at(str(tmp_path / "photo.jpg"), (32, 32), box).float()
+    assert (first.float() - direct).abs().mean() < 6  # the slot holds what the crop shows: the same picture
+    cache.close()
+    assert not list(tmp_path.glob("c.*"))
+    write_images(tmp_path / "imgs", per_class=12)
+    assert train_cmd.main(run_args(tmp_path, tmp_path / "imgs", "--epochs", "2", "--set", "data.stream=true", "--name", "k")) == 0
+    out = capsys.readouterr().out
+    assert "data.cache: training pictures are kept decoded at 34x34 px in decoded-0.u8" in out
+    assert not list((tmp_path / "runs" / "k").glob("decoded-*"))  # deleted when the run stops
+    assert train_cmd.main(run_args(tmp_path, tmp_path / "imgs", "--epochs", "1", "--set", "data.stream=true", "--set", "data.cache=false",
+                                   "--name", "n")) == 0
+    assert "data.cache" not in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="data.cache=true keeps pictures read from files decoded; shapes is held in memory"):
+        train_cmd.main(["--config", TINY, "--set", "data.cache=true", "--out-dir", str(tmp_path)])

@@ -65,7 +65,7 @@ ModelConfig = _model_config_class()
 
 @dataclass
 class DataConfig:
-    name: str = "shapes"  # a name of vitpe.data.DATASETS (imagefolder:PATH: your own images)
+    name: str = "shapes"  # a name of vitpe.data.DATASETS (imagefolder:PATH: your own images; shards:PATH: them as tar shards)
     data_dir: Optional[str] = None  # where datasets live or are downloaded to (default: ./data)
     train_size: Optional[int] = None  # shapes: samples to generate; others: a subset (None: all)
     test_size: Optional[int] = None
@@ -80,9 +80,14 @@ class DataConfig:
     # An image folder read a batch at a time (true) or held in memory (false); null chooses from the folder's size and
     # the memory available, and the run's first note says which. A resumed run keeps its choice.
     stream: Optional[bool] = None
-    # DataLoader processes that decode the next batches while a step runs (null: 2 for a streamed folder, else 0: data
-    # held in memory is sliced faster in the training process than it is sent from another).
+    # DataLoader processes that decode the next batches while a step runs (null: 2 for data read a batch at a time on a
+    # machine of more than 2 cores, else 0: on 2 cores workers take the cores a step needs, and data held in memory is
+    # sliced faster in the training process than it is sent from another; docs/data.md).
     workers: Optional[int] = None
+    # Data read a batch at a time: keep each training picture decoded, at the size the run's crops need, in a file in
+    # the run's folder (deleted when the run stops), so that it is decoded once, not at every use (null: when that size
+    # is 128x128 or less, where a decode costs about as much as the step's share of a picture; docs/data.md).
+    cache: Optional[bool] = None
 
 
 @dataclass
@@ -297,7 +302,15 @@ def _validate(cfg: Config) -> None:
         frozen_spec(t.freeze, m.depth)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if d.stream and not d.name.startswith("imagefolder:"):
+    if d.name.startswith("shards:"):
+        if d.stream is False:
+            raise ConfigError("data.stream=false: tar shards are read in order, a batch at a time, never held in memory; drop data.stream")
+        if t.max_tokens is not None:
+            raise ConfigError(f"train.max_tokens packs pictures chosen by index and {d.name} is read in order; train on the image folder "
+                              "(imagefolder:PATH) to pack, or drop train.max_tokens")
+    elif d.cache and not d.name.startswith("imagefolder:"):
+        raise ConfigError(f"data.cache=true keeps pictures read from files decoded; {d.name} is held in memory already; drop data.cache")
+    elif d.stream and not d.name.startswith("imagefolder:"):
         raise ConfigError(f"data.stream=true reads an image folder a batch at a time; {d.name} is held in memory, as its own "
                           "files are; drop data.stream (data.workers=2 decodes its batches in DataLoader workers)")
     if cfg.init.weights is not None and not (cfg.init.source or "").startswith("timm:"):

@@ -21,7 +21,7 @@ class VitpeError(ValueError):
 
 # How each command is typed in a clone (from its root); installed, or run through the ``vitpe`` command, it is ``vitpe NAME``.
 CLONE_DOORS = {"train": "python train.py", "eval": "python eval.py", "predict": "python -m vitpe.predict",
-               "export": "python -m vitpe.export", "viz": "python -m vitpe.viz"}
+               "export": "python -m vitpe.export", "viz": "python -m vitpe.viz", "shards": "python -m vitpe shards"}
 
 
 def command_name(name: str) -> str:

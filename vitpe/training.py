@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -55,7 +56,8 @@ from vitpe.data import load_dataset, resize_images
 from vitpe.data.augment import BatchAugment, crop_boxes, normalize
 from vitpe.data.datasets import TRAIN_SIZES
 from vitpe.data.mixed import draw_sizes, mixed_batch
-from vitpe.data.stream import BatchLoader, StepPlan, planned
+from vitpe.data.shards import ShardBatches
+from vitpe.data.stream import BatchLoader, DecodedCache, StepPlan, cache_slot, planned
 from vitpe.engine import Heartbeat, amp_dtype, autocast, gib, memory_available, pick_cpu_amp, resolve_device, seed_step, train_step_bytes
 from vitpe.errors import VitpeError, command_name
 from vitpe.evaluation import evaluate
@@ -198,6 +200,32 @@ def _cpu_amp(model: VisionTransformer, ds: Any, train_x: torch.Tensor, train_y: 
     dtype, line = pick_cpu_amp(step)
     log(line + f" [at {size} px, {batch} images]")
     return dtype
+
+
+# data.cache=null keeps pictures decoded where a slot is this many pixels or fewer: at 32 px a decode of a photo costs
+# about a step's share of an image (docs/data.md), at 224 px a small part of it, while the file grows with the slot.
+CACHE_AUTO_PIXELS = 128 * 128
+
+
+def keep_decoded(cfg: Config, ds: Any, run: Path, rank: int, size: int, log: Callable[..., None]) -> Optional[DecodedCache]:
+    """``data.cache``'s decision for a run whose data is read a batch at a time: a :class:`DecodedCache` of the training
+    pictures in the run's folder (one file a process), or None; said in one line either way when it matters."""
+    data, n = cfg.data, len(ds.split(True)[1])
+    if not ds.streamed or data.cache is False or cfg.train.max_tokens is not None:  # packing cuts each picture at its own size
+        return None
+    slot = cache_slot(size, data.crop_scale, data.crop_ratio)
+    if data.cache is None and slot[0] * slot[1] > CACHE_AUTO_PIXELS:
+        return None
+    need, free = DecodedCache.nbytes(n, slot), shutil.disk_usage(run).free
+    if need > free // 2:
+        log(f"note: data.cache: {n:,} training pictures decoded at {slot[0]}x{slot[1]} px would take {gib(need)} of the {gib(free)} "
+            f"free in {run}; each is decoded at every use")
+        return None
+    cache = DecodedCache(run / f"decoded-{rank}.u8", n, slot)
+    ds.keep_decoded(True, cache)
+    log(f"data.cache: training pictures are kept decoded at {slot[0]}x{slot[1]} px in {cache.path.name} (at most {gib(need)} on disk, "
+        "deleted when the run stops); after a picture's first use its crops are cut from there, not decoded (data.cache=false: decode each time)")
+    return cache
 
 
 def run_name(cfg: Config) -> str:
@@ -610,7 +638,7 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
         torch.cuda.set_device(device)
         model.to(device)
     lock = RunLock(run) if rank == 0 else None
-    board = None
+    board = cache = None
     try:
         if lock is not None:
             lock.__enter__()
@@ -627,6 +655,7 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
             log(f"{run} has no checkpoint yet (it stopped before its first): starting it from step 0 with its saved config")
         if rank == 0 and cfg.train.tensorboard:
             board = TensorBoardLog(run, epoch)
+        cache = keep_decoded(cfg, ds, run, rank, max(sizes), log)
         return train_loop(Job(
             cfg=cfg, run=run, rank=rank, world=world, device=device, dtype=dtype, log=log, ds=ds, train_at=train_at,
             train_y=train_y, test_x=test_x, test_y=test_y, augment=augment, model=model, model_args=model_args,
@@ -636,6 +665,8 @@ def train(config: Optional[str] = None, overrides: Sequence[str] = (), *, resume
             board=board,
         ))
     finally:
+        if cache is not None:
+            cache.close()
         if board is not None:
             board.close()
         if lock is not None:
@@ -827,13 +858,15 @@ class Job:
             y = self.train_y[idx][mine].to(self.device, non_blocking=True)
             seed_step(cfg.train.seed, self.epoch, self.step, rank)
             return x, y, y
-        x = self.loader.images(self.step) if self.loader is not None else self.decode(plan)
+        if self.ds.shards is not None:  # read in order from this process's own shards: the labels come with the pictures
+            x, y = self.loader.images(self.step)
+        else:
+            x, y = self.loader.images(self.step) if self.loader is not None else self.decode(plan), self.train_y[idx][mine]
         if self.ds.streamed and self.world > 1:  # only this share was decoded: the augmentation still draws for the whole batch
             whole = x.new_zeros((len(idx), *x.shape[1:]))
             whole[mine] = x
             x = whole
         x = self.augment(x)[mine]
-        y = self.train_y[idx][mine]
         x, y = normalize(x.to(self.device, non_blocking=True), self.ds.mean, self.ds.std), y.to(self.device, non_blocking=True)
         seed_step(cfg.train.seed, self.epoch, self.step, rank)  # per-rank: dropout, drop-path, mixup
         return (*self.mixup(x, y), y) if self.mixup is not None else (x, y, y)
@@ -842,7 +875,13 @@ class Job:
         """DataLoader workers that decode the rest of the epoch's batches ahead of its steps (``data.workers``; by default
         2 for a streamed folder), or None: the training process reads each batch itself. Packing reads its own."""
         workers = self.cfg.data.workers
-        workers = min(2, os.cpu_count() or 1) if workers is None and self.ds.streamed else (workers or 0)
+        if workers is None:  # on 2 cores workers compete with the step for them: decoding in the step is faster there (docs/data.md)
+            workers = 2 if self.ds.streamed and (os.cpu_count() or 1) > 2 else 0
+        if self.ds.shards is not None and self.step < self.steps_per_epoch:  # shards are read in order: always through a loader
+            per_rank = self.images_per_step // self.world
+            return BatchLoader.over(ShardBatches(self.ds.shards, planned(functools.partial(self.draw, perm)), self.mine(), self.step,
+                                                 self.steps_per_epoch, self.epoch, self.rank, self.world, per_rank, self.cfg.train.seed,
+                                                 self.ds.decoded(True)), workers)
         if workers == 0 or self.cfg.train.max_tokens is not None or self.step >= self.steps_per_epoch:
             return None
         return BatchLoader(self.decode, planned(functools.partial(self.draw, perm)), self.step, self.steps_per_epoch, workers)

@@ -6,6 +6,7 @@
     vitpe predict photo.png --run runs/NAME      # python -m vitpe.predict
     vitpe export runs/NAME --onnx model.onnx     # python -m vitpe.export
     vitpe viz heatmap --pe rope_mixed            # python -m vitpe.viz
+    vitpe shards photos/ photos-shards           # an image folder as tar shards: --data shards:photos-shards
     vitpe configs                                # the shipped configs, by name for --config
 
 Each command's module is imported only when it runs, so ``vitpe --help`` answers at once. The commands live in this
@@ -28,6 +29,7 @@ COMMANDS: Dict[str, Tuple[str, str, str]] = {
     "predict": ("vitpe.cli.predict", "cli", "classify image files with a run or an exported model"),
     "export": ("vitpe.cli.export", "cli", "write a run as ONNX (any input size) or in timm's layout"),
     "viz": ("vitpe.cli.viz", "cli", "draw a PE's similarity, attention distance and more"),
+    "shards": ("vitpe.cli.shards", "cli", "write an image folder as tar shards, for many processes and machines"),
     "configs": ("vitpe.cli", "list_configs", "list the shipped configs, which --config takes by name"),
 }
 

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +89,8 @@ class ImageDataset:
     fingerprint: Optional[str] = None  # which training images, with which labels (an image folder's; a checkpoint keeps it)
     # Read a batch at a time from files (vitpe.data.stream): a split is a FolderSplit, decoded as it is indexed.
     streamed: bool = False
+    shards: Optional[Any] = field(repr=False, default=None)  # a vitpe.data.shards.ShardIndex: read in order from tar shards
+    _caches: Dict[bool, Any] = field(repr=False, default_factory=dict)  # split -> its vitpe.data.stream.DecodedCache
     _measure_aspects: Optional[Callable[[bool], Tensor]] = field(repr=False, default=None)
 
     @property
@@ -137,6 +139,17 @@ class ImageDataset:
         if train not in self._aspects and self._measure_aspects is not None:  # a streamed folder reads its files' headers once
             self._aspects[train] = self._measure_aspects(train)
         return self._aspects.get(train)
+
+    def keep_decoded(self, train: bool, cache: Any) -> None:
+        """Cut a streamed split's pictures from ``cache`` (:class:`~vitpe.data.stream.DecodedCache`), each decoded
+        from its file only the first time."""
+        if not self.streamed:
+            raise ValueError(f"{self.name} is held in memory: it has no decoding to keep")
+        self._caches[train] = cache
+
+    def decoded(self, train: bool) -> Any:
+        """The split's :class:`~vitpe.data.stream.DecodedCache`, or None."""
+        return self._caches.get(train)
 
     def describe(self) -> Dict:
         return {"name": self.name, "classes": list(self.classes), "in_chans": self.in_chans, "native_size": list(self.native_size),
@@ -416,16 +429,44 @@ def _streamed_folder(root: Path, parts: Dict[bool, FolderImages], counts: Dict[b
     n_train = len(labels[True])
     fingerprint = "files:" + digest_of(parts[True].digests[:n_train], parts[True].labels[:n_train])  # by bytes, not pixels
 
+    caches: Dict[bool, Any] = {}  # ImageDataset.keep_decoded fills it
+
     def pick(train: bool, index: Tensor, size: Tuple[int, int], boxes: Optional[Tensor] = None) -> Tensor:
-        return decode_many([paths[train][i] for i in index.tolist()], size, boxes)
+        ids = index.tolist()
+        return decode_many([paths[train][i] for i in ids], size, boxes, cache=caches.get(train), ids=ids)
 
     return ImageDataset(f"imagefolder:{root}", classes, 3, size, mean, std, True, False,
                         lambda train, s: (FolderSplit(paths[train], tuple(s)), labels[train]), _pick=pick, _pick_zoomed=pick,
-                        notes=tuple(notes), fingerprint=fingerprint, streamed=True,
+                        notes=tuple(notes), fingerprint=fingerprint, streamed=True, _caches=caches,
                         _measure_aspects=lambda train: folder_aspects(paths[train]))
 
 
-DATASETS = ("shapes", "gratings", "fashion_mnist", "cifar10", "cifar100", "imagefolder:PATH")
+def _shards(root: Path, train_size: Optional[int], test_size: Optional[int], size: Tuple[int, int]) -> ImageDataset:
+    """An image folder written as tar shards (:mod:`vitpe.data.shards`): read in order, a batch at a time."""
+    from .shards import ShardSplit, read_index
+
+    index = read_index(root)
+    labels = {t: index.split_labels(t) for t in (True, False)}
+    if train_size is not None and train_size < len(labels[True]):
+        raise DataError(f"data.train_size={train_size} is fewer than the {len(labels[True])} pictures of shards:{root}, and an "
+                        "epoch reads every shard; write shards of the pictures you want instead")
+    if test_size is not None:
+        labels[False] = labels[False][:test_size]
+    note = (f"shards {root}: {len(labels[True]):,} training pictures in {len(index.files[True])} shards and {len(labels[False]):,} "
+            "test pictures, read a batch at a time")
+
+    def load(train: bool, s: Tuple[int, int]) -> Tuple[ShardSplit, Tensor]:
+        return ShardSplit(list(index.files[train]), tuple(s), len(labels[train])), labels[train]
+
+    def pick(train: bool, index: Tensor, size: Tuple[int, int], boxes: Optional[Tensor] = None) -> Tensor:
+        raise DataError(f"shards:{root} is read in order, so it cannot give pictures by index (packing, train.max_tokens, "
+                        "does); train on the image folder instead")
+
+    return ImageDataset(f"shards:{root}", index.classes, 3, size, index.mean, index.std, True, False, load, _pick=pick, _pick_zoomed=pick,
+                        notes=(note,), fingerprint=index.fingerprint, streamed=True, shards=index)
+
+
+DATASETS = ("shapes", "gratings", "fashion_mnist", "cifar10", "cifar100", "imagefolder:PATH", "shards:PATH")
 
 
 def load_dataset(
@@ -446,4 +487,6 @@ def load_dataset(
         return _cifar(name, root, train_size, test_size)
     if name.startswith("imagefolder:"):
         return _imagefolder(Path(name.split(":", 1)[1]).expanduser(), train_size, test_size, tuple(image_size), stream, memory)
+    if name.startswith("shards:"):
+        return _shards(Path(name.split(":", 1)[1]).expanduser(), train_size, test_size, tuple(image_size))
     raise DataError(f"unknown dataset {name!r}{did_you_mean(name, DATASETS)}; choose one of {', '.join(DATASETS)}")

@@ -68,27 +68,28 @@ def turned(im) -> bool:
     return im.getexif().get(0x0112, 1) in (5, 6, 7, 8)
 
 
-def open_image(path, at_least: Optional[Tuple[float, float]] = None) -> "PIL.Image.Image":  # noqa: F821 (PIL is imported where it is used)
-    """The file at ``path`` as the 8-bit RGB picture a viewer shows: EXIF orientation applied (a phone photo taken
+def open_image(path, at_least: Optional[Tuple[float, float]] = None, name: Optional[str] = None) -> "PIL.Image.Image":  # noqa: F821 (PIL is imported where it is used)
+    """The file at ``path`` (or a file object, called ``name`` in errors) as the 8-bit RGB picture a viewer shows: EXIF orientation applied (a phone photo taken
     sideways stands up), 16-bit pixels scaled. ``at_least = (width, height)``: the upright picture may come smaller, down
     to that size (a JPEG decodes at 1/2, 1/4 or 1/8 scale for a fraction of the work; other formats ignore it). One-line
     :class:`DataError` for a missing, unreadable or too-large file."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
+    name = str(path) if name is None else name
     try:
         with Image.open(path) as im:
             if at_least is not None and im.format == "JPEG":
                 w, h = at_least[::-1] if turned(im) else at_least
                 im.draft(None, (math.ceil(w), math.ceil(h)))
-            return _to_rgb(ImageOps.exif_transpose(im), str(path), im.format)
+            return _to_rgb(ImageOps.exif_transpose(im), name, im.format)
     except FileNotFoundError:
-        raise DataError(f"image {path} does not exist") from None
+        raise DataError(f"image {name} does not exist") from None
     except Image.DecompressionBombError as e:
-        raise DataError(f"image {path} is too large to decode safely ({e}); shrink it, or raise PIL.Image.MAX_IMAGE_PIXELS") from None
+        raise DataError(f"image {name} is too large to decode safely ({e}); shrink it, or raise PIL.Image.MAX_IMAGE_PIXELS") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # SyntaxError, ValueError: PIL's words for bad headers
         if isinstance(e, DataError):
             raise
-        raise DataError(f"cannot read image {path} ({type(e).__name__}: {str(e)[:80]}); give PNG, JPEG or another format PIL "
+        raise DataError(f"cannot read image {name} ({type(e).__name__}: {str(e)[:80]}); give PNG, JPEG or another format PIL "
                         "opens, or remove or replace it") from None
 
 

@@ -9,10 +9,13 @@ fine-tune sees the detail its photos have. :func:`stream_memory` decides between
 """
 from __future__ import annotations
 
+import io
+import math
 import os
 import random
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -21,8 +24,8 @@ from torch import Tensor
 
 from .images import DataError, open_image, turned
 
-__all__ = ["decode_at", "decode_many", "FolderSplit", "in_memory_bytes", "stream_memory", "StepPlan", "BatchLoader", "planned", "sample_stats",
-           "folder_aspects"]
+__all__ = ["decode_at", "decode_many", "cache_slot", "DecodedCache", "FolderSplit", "in_memory_bytes", "stream_memory", "StepPlan",
+           "BatchLoader", "planned", "sample_stats", "folder_aspects"]
 
 # Bytes the in-memory path holds a picture in, per pixel of the training size: two RGB copies (the square one and one
 # at the picture's own aspect ratio), and the decoded picture while it is resized. Measured: 2,000 photos of 640x480
@@ -34,30 +37,88 @@ _MEMORY_SHARE = 0.25
 _threads = max(1, min(4, os.cpu_count() or 1))  # decode_many's threads in this process (1 in a loader's workers)
 
 
-def decode_at(path: str, size: Tuple[int, int], box: Optional[Sequence[float]] = None) -> Tensor:
-    """One image file as uint8 ``(3, h, w)`` at ``size = (h, w)``: upright (EXIF), ``box = (x0, y0, w, h)`` in fractions
+def decode_at(path: Union[str, bytes], size: Tuple[int, int], box: Optional[Sequence[float]] = None, name: Optional[str] = None) -> Tensor:
+    """One image file (its path, or its bytes: a sample of a tar shard, called ``name`` in errors) as uint8 ``(3, h, w)``
+    at ``size = (h, w)``: upright (EXIF), ``box = (x0, y0, w, h)`` in fractions
     of the picture (:func:`~vitpe.data.augment.crop_boxes`; default the whole picture) cut from the original and
     resized in one antialiased bicubic step. A JPEG is decoded only as finely as the box's pixels at ``size`` need."""
     from PIL import Image
     from torchvision.transforms.functional import pil_to_tensor
 
-    x0, y0, bw, bh = (0.0, 0.0, 1.0, 1.0) if box is None else (float(v) for v in box)
+    bw, bh = (1.0, 1.0) if box is None else (float(box[2]), float(box[3]))
     h, w = size
-    rgb = open_image(path, at_least=(w / bw, h / bh))
-    W, H = rgb.size
-    return pil_to_tensor(rgb.resize((w, h), Image.BICUBIC, box=(x0 * W, y0 * H, (x0 + bw) * W, (y0 + bh) * H)))
+    rgb = open_image(io.BytesIO(path) if isinstance(path, bytes) else path, at_least=(w / bw, h / bh), name=name)
+    return pil_to_tensor(rgb.resize((w, h), Image.BICUBIC, box=_box_pixels(box, *rgb.size)))
 
 
-def decode_many(paths: Sequence[str], size: Tuple[int, int], boxes: Optional[Tensor] = None) -> Tensor:
-    """:func:`decode_at` for each of ``paths`` (``boxes`` ``(n, 4)`` or None), uint8 ``(n, 3, h, w)``, decoded on a few
-    threads: PIL releases the GIL while it decodes and resizes."""
-    rows = [None] * len(paths) if boxes is None else boxes.tolist()
+def decode_many(paths: Sequence[Union[str, bytes]], size: Tuple[int, int], boxes: Optional[Tensor] = None,
+                names: Optional[Sequence[str]] = None, cache: Optional["DecodedCache"] = None, ids: Optional[Sequence[int]] = None) -> Tensor:
+    """:func:`decode_at` for each of ``paths`` (or files' bytes, with their ``names``; ``boxes`` ``(n, 4)`` or None),
+    uint8 ``(n, 3, h, w)``, decoded on a few threads: PIL releases the GIL while it decodes and resizes. ``cache``:
+    cut from the pictures' slots ``ids`` of a :class:`DecodedCache` instead, decoding only those not yet in it."""
+    jobs = list(zip(paths, [None] * len(paths) if boxes is None else boxes.tolist(), names or [None] * len(paths), ids or [None] * len(paths)))
+
+    def one(job: tuple) -> Tensor:
+        path, box, name, i = job
+        return decode_at(path, size, box, name) if cache is None else cache.cut(i, path, size, box, name)
+
     if _threads == 1 or len(paths) < 4:
-        return torch.stack([decode_at(p, size, b) for p, b in zip(paths, rows)])
+        return torch.stack([one(job) for job in jobs])
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(_threads) as pool:
-        return torch.stack(list(pool.map(lambda pb: decode_at(pb[0], size, pb[1]), zip(paths, rows))))
+        return torch.stack(list(pool.map(one, jobs)))
+
+
+def _box_pixels(box: Optional[Sequence[float]], width: int, height: int) -> Tuple[float, float, float, float]:
+    """A crop box in fractions (default: the whole picture) as PIL's ``(left, upper, right, lower)`` in pixels."""
+    x0, y0, bw, bh = (0.0, 0.0, 1.0, 1.0) if box is None else (float(v) for v in box)
+    return x0 * width, y0 * height, (x0 + bw) * width, (y0 + bh) * height
+
+
+def cache_slot(size: int, crop_scale: Optional[Sequence[float]], crop_ratio: Sequence[float]) -> Tuple[int, int]:
+    """The ``(h, w)`` a :class:`DecodedCache` keeps each picture at for a run whose largest size is ``size`` px: the
+    smallest crop box :func:`~vitpe.data.augment.crop_boxes` can draw still has as many pixels as the batch shows."""
+    if crop_scale is None:
+        return size, size
+    w, h = math.sqrt(crop_scale[0] * crop_ratio[0]), math.sqrt(crop_scale[0] / crop_ratio[1])
+    return math.ceil(size / min(h, 1.0)), math.ceil(size / min(w, 1.0))
+
+
+class DecodedCache:
+    """A split's pictures decoded once, each resized to one ``slot = (h, w)`` (:func:`cache_slot`), in a memory-mapped
+    file: a batch's crops are then cut from the slots, a small fraction of a decode's work, and the page cache, not the
+    process, holds them. Every cut goes through a slot, the first as well, so a run's pixels do not depend on which
+    pictures were cached before (a resume starts an empty cache and reads what an uninterrupted run read). Forked
+    loader workers share the file; pictures that two fill at once are written twice with the same bytes."""
+
+    def __init__(self, path: Path, n: int, slot: Tuple[int, int]) -> None:
+        self.path, self.slot = Path(path), tuple(slot)
+        self.pixels = np.memmap(self.path, np.uint8, "w+", shape=(n, *self.slot, 3))
+        self.filled = np.memmap(self.path.with_suffix(".filled"), np.uint8, "w+", shape=(n,))
+
+    @staticmethod
+    def nbytes(n: int, slot: Tuple[int, int]) -> int:
+        return n * (slot[0] * slot[1] * 3 + 1)
+
+    def cut(self, i: int, source: Union[str, bytes], size: Tuple[int, int], box: Optional[Sequence[float]] = None,
+            name: Optional[str] = None) -> Tensor:
+        """Picture ``i`` (decoded from ``source`` the first time) at ``size``, its ``box`` cut from its slot and resized once."""
+        from PIL import Image
+        from torchvision.transforms.functional import pil_to_tensor
+
+        h, w = self.slot
+        if not self.filled[i]:
+            rgb = open_image(io.BytesIO(source) if isinstance(source, bytes) else source, at_least=(w, h), name=name)
+            self.pixels[i] = np.asarray(rgb.resize((w, h), Image.BICUBIC))
+            self.filled[i] = 1  # after the pixels: a reader that sees the flag sees them
+        picture = Image.fromarray(np.asarray(self.pixels[i]))
+        return pil_to_tensor(picture.resize(size[::-1], Image.BICUBIC, box=_box_pixels(box, w, h)))
+
+    def close(self) -> None:
+        """Delete the files (the mapping goes with the last reference to it)."""
+        for path in (self.path, self.path.with_suffix(".filled")):
+            path.unlink(missing_ok=True)
 
 
 @dataclass
@@ -138,16 +199,28 @@ class BatchLoader:
     """The images of steps ``first`` to ``last - 1``, ``decode(plan(step))`` run by ``workers`` DataLoader processes ahead
     of the steps (two batches each in flight). ``plan(step)`` must be a pure function of the step (the run's seeded
     draws, :func:`planned`): the loader calls it ahead of time, so a resumed run reads exactly what an uninterrupted
-    one would. Forked workers inherit the dataset: nothing but the plans and the images is sent between processes."""
+    one would. Forked workers inherit the dataset: nothing but the plans and the images is sent between processes.
+    :meth:`over` runs a stream of ``(step, batch)`` instead (tar shards, :mod:`vitpe.data.shards`)."""
 
     def __init__(self, decode: Callable[[StepPlan], Tensor], plan: Callable[[int], StepPlan], first: int, last: int, workers: int) -> None:
+        self._start(_Plans(decode), _Sampler(plan(s) for s in range(first, last)), workers)
+
+    @classmethod
+    def over(cls, batches: torch.utils.data.IterableDataset, workers: int) -> "BatchLoader":
+        """A loader of ``batches``, an iterable of ``(step, batch or DataError)`` whose copies in ``workers`` processes
+        take turns, one step each (``torch.utils.data.get_worker_info`` tells a copy its turn); 0: read here."""
+        loader = cls.__new__(cls)
+        loader._start(batches, None, workers)
+        return loader
+
+    def _start(self, dataset: torch.utils.data.Dataset, sampler: Optional[torch.utils.data.Sampler], workers: int) -> None:
         fork = "fork" in _contexts()
-        self.loader = torch.utils.data.DataLoader(_Plans(decode), batch_size=None, sampler=_Sampler(plan(s) for s in range(first, last)),
-                                                  num_workers=workers, prefetch_factor=2, worker_init_fn=_worker_init,
-                                                  multiprocessing_context="fork" if fork else None)
+        more = dict(prefetch_factor=2, worker_init_fn=_worker_init, multiprocessing_context="fork" if fork else None) if workers else {}
+        self.loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=sampler, num_workers=workers, **more)
         self.it = iter(self.loader)
 
-    def images(self, step: int) -> Tensor:
+    def images(self, step: int):
+        """Step ``step``'s batch: its images (or, from :meth:`over`, what the stream gives for it)."""
         got, x = next(self.it)
         if got != step:
             raise RuntimeError(f"the data loader gave step {got}'s images for step {step}")  # a bug, never the user's input
