@@ -9,6 +9,7 @@ once under OUT. Each measurement runs in a fresh process, one at a time:
   with the process's peak memory above what it held after its imports (``ru_maxrss``);
 - ``train``: ``train.py`` on the folder for a fixed number of steps, its images/s and the share of step time spent
   waiting for data (the run's own ``images_per_s`` and ``data_time_frac``) in its first epoch and over the later ones;
+- ``step``: from the process's start to the end of the first training step of a ViT-Ti/16 fine-tune at 224 px;
 - ``ddp``: the 2,000-photo folder written as tar shards (``vitpe shards``), trained to the end of ``configs/folder.yaml``
   at ``DDP_STEPS`` steps by one process and by ``torchrun`` with two, three seeds each: the test top-1 each reaches.
 
@@ -43,6 +44,8 @@ ROWS: Dict[str, tuple] = {
     "first-2000-memory": ("first", 2000, 224, "memory", ()),
     "first-2000-stream": ("first", 2000, 224, "stream", ()),
     "first-20000-stream": ("first", 20000, 224, "stream", ()),
+    "step-2000-stream": ("step", 2000, 224, "stream", ()),
+    "step-20000-stream": ("step", 20000, 224, "stream", ()),
     "train32-2000-memory": ("train", 2000, 32, "memory", ()),
     "train32-2000-stream-w0": ("train", 2000, 32, "stream", ("--set", "data.workers=0")),
     "train32-2000-stream-w2": ("train", 2000, 32, "stream", ("--set", "data.workers=2")),
@@ -104,6 +107,23 @@ def make_folder(out: Path, n: int, size=PHOTO, scenes: int = 2000) -> Path:
     return folder
 
 
+# From the process's start to the end of the first training step of ViT-Ti/16 at 224 px (argv: folder, weights, runs):
+# train.py's own path, the step timed by wrapping Job.update, and the process left at once.
+STEP = """
+import json, sys, time
+from vitpe import training
+real = training.Job.update
+def update(job, *args):
+    out = real(job, *args)
+    print(json.dumps({"first_step_at": time.time()}), flush=True)
+    raise SystemExit(0)
+training.Job.update = update
+training.train(None, ["data.name=imagefolder:" + sys.argv[1], "data.stream=true", "init.source=timm:vit_tiny_patch16_224",
+                      "init.weights=" + sys.argv[2], "train.batch_size=32", "train.amp=none", "data.crop_scale=[0.35, 1.0]",
+                      "out_dir=" + sys.argv[3]])
+"""
+
+
 def measure(out: Path, row: str, steps: int) -> Dict:
     kind, n, size, path, extra = ROWS[row]
     folder = make_folder(out, n)
@@ -113,6 +133,14 @@ def measure(out: Path, row: str, steps: int) -> Dict:
                            text=True, check=True)
         result = json.loads(r.stdout.strip().splitlines()[-1])
         result["from_start_s"] = result.pop("first_batch_at") - launched  # the interpreter's start and the imports as well
+    elif kind == "step":
+        launched = time.time()
+        r = subprocess.run([sys.executable, "-c", STEP, str(folder), str(timm_weights(out, "vit_tiny_patch16_224")), str(out / "runs")],
+                           cwd=ROOT, capture_output=True, text=True)
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith('{"first_step_at"')), None)
+        if line is None:
+            raise SystemExit(r.stderr[-2000:])
+        result = {"first_step_s": json.loads(line)["first_step_at"] - launched}
     else:
         if "--init" in extra:  # a timm model's own initialisation as the file --init-weights takes: nothing is downloaded
             extra = (*extra, "--init-weights", str(timm_weights(out, extra[extra.index("--init") + 1].split(":", 1)[1])))
@@ -178,9 +206,11 @@ def train_ddp(out: Path, processes: int, seed: int, steps: int = DDP_STEPS) -> D
 
 
 def median_of(results: List[Dict]) -> Dict:
-    """One row from repeated measurements: the run of median images/s, with every run's images/s beside it."""
-    ranked = sorted(results, key=lambda r: r["images_per_s"])
-    return {**ranked[len(ranked) // 2], "runs_images_per_s": [r["images_per_s"] for r in results]}
+    """One row from repeated measurements: the run of median images/s (or seconds to the first step), with every
+    run's value beside it."""
+    key = "images_per_s" if "images_per_s" in results[0] else "first_step_s"
+    ranked = sorted(results, key=lambda r: r[key])
+    return {**ranked[len(ranked) // 2], f"runs_{key}": [round(r[key], 3) for r in results]}
 
 
 def record(rows: List[Dict], path: Path = RECORD) -> None:
@@ -202,6 +232,10 @@ def report(rows: List[Dict]) -> str:
     for r in (r for r in rows if r["kind"] == "first"):
         lines.append(f"| {r['row']} | {r['images']:,} | {r['size']} | {PATHS[r['path']]} | {r['first_batch_s']:.1f} | "
                      f"{r['from_start_s']:.1f} | {r['peak_mb']:.0f} |")
+    steps = [r for r in rows if r["kind"] == "step"]
+    if steps:
+        lines += ["", "| row | images | from the process's start to the end of the first step of ViT-Ti/16 at 224 px (s) |", "| --- | --- | --- |"]
+        lines += [f"| {r['row']} | {r['images']:,} | {r['first_step_s']:.1f} |" for r in steps]
     lines += ["", "| row | size | path | data.workers | data.cache | images/s, first epoch | images/s, later epochs | against memory | "
               "data share of step time |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     memory = {r["size"]: r["images_per_s"] for r in rows if r["kind"] == "train" and r["path"] == "memory"}

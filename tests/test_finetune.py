@@ -229,3 +229,11 @@ def test_train_py_fine_tunes_a_timm_model_on_a_folder(tmp_path, vit_tiny_file):
     assert (cfg["model"]["embed_dim"], cfg["model"]["depth"], cfg["model"]["img_size"], cfg["model"]["patch_size"]) == (192, 12, 32, 16)
     assert cfg["init"]["sha256"] == __import__("hashlib").sha256(vit_tiny_file.read_bytes()).hexdigest()
     assert state["model"]["head.weight"].shape == (2, 192) and state["data"]["classes"] == ["c0", "c1"]
+
+
+def test_a_timm_model_keeps_its_own_square_size_when_none_is_given(tmp_path, vit_tiny_file):
+    """The README's fine-tune command gives no model.img_size: timm's (224, 224) becomes the run's 224."""
+    from vitpe.training import resolve_run
+
+    cfg, source, _ = resolve_run(None, ["init.source=timm:vit_tiny_patch16_224", f"init.weights={vit_tiny_file}", f"out_dir={tmp_path}"])
+    assert cfg.model.img_size == 224 and cfg.model.patch_size == 16 and source is not None

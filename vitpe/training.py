@@ -152,6 +152,8 @@ def config_from_source(cfg: Config, source: Source, model_overrides: Sequence[st
     except ConfigError as e:
         raise ConfigError(f"{e} (the model is {source.spec}'s: {source.describe})") from None
     args, changes = source_model_args(source, {k: getattr(changed, k) for k in explicit})
+    if "img_size" not in explicit:  # the square size read above from a source built for (h, w), as timm's are
+        args["img_size"] = base["img_size"]
     args = {k: defaults[k] if v is None and isinstance(defaults.get(k), dict) else v for k, v in args.items()}
     data = cfg.to_dict()["data"]
     took_data = [] if source.data is None or "name" in data_given and data["name"] != source.data.get("name") else \
