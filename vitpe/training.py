@@ -204,8 +204,8 @@ def _cpu_amp(model: VisionTransformer, ds: Any, train_x: torch.Tensor, train_y: 
     return dtype
 
 
-# data.cache=null keeps pictures decoded where a slot is this many pixels or fewer: at 32 px a decode of a photo costs
-# about a step's share of an image (docs/data.md), at 224 px a small part of it, while the file grows with the slot.
+# data.cache=null keeps pictures decoded where a slot is this many pixels or fewer: at 32 px decoding photos takes a
+# quarter of the step time, at 224 px a few percent (docs/data.md), while the file grows with the slot.
 CACHE_AUTO_PIXELS = 128 * 128
 
 
@@ -875,7 +875,8 @@ class Job:
 
     def batch_loader(self, perm: torch.Tensor) -> Optional[BatchLoader]:
         """DataLoader workers that decode the rest of the epoch's batches ahead of its steps (``data.workers``; by default
-        2 for a streamed folder), or None: the training process reads each batch itself. Packing reads its own."""
+        2 for data read a batch at a time on more than 2 cores), or None: the training process reads each batch itself.
+        Packing reads its own. Shards always come through a loader (0 workers: read in this process)."""
         workers = self.cfg.data.workers
         if workers is None:  # on 2 cores workers compete with the step for them: decoding in the step is faster there (docs/data.md)
             workers = 2 if self.ds.streamed and (os.cpu_count() or 1) > 2 else 0
