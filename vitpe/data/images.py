@@ -9,6 +9,7 @@ line each, for the command line to print.
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import os
 from collections import defaultdict
@@ -68,16 +69,22 @@ def turned(im) -> bool:
     return im.getexif().get(0x0112, 1) in (5, 6, 7, 8)
 
 
+def readable(source: Union[str, Path, bytes]):
+    """What PIL opens for ``source``: a path as it is, a file's bytes (a sample of a tar shard) as a file object."""
+    return io.BytesIO(source) if isinstance(source, bytes) else source
+
+
 def open_image(path, at_least: Optional[Tuple[float, float]] = None, name: Optional[str] = None) -> "PIL.Image.Image":  # noqa: F821 (PIL is imported where it is used)
-    """The file at ``path`` (or a file object, called ``name`` in errors) as the 8-bit RGB picture a viewer shows: EXIF orientation applied (a phone photo taken
-    sideways stands up), 16-bit pixels scaled. ``at_least = (width, height)``: the upright picture may come smaller, down
-    to that size (a JPEG decodes at 1/2, 1/4 or 1/8 scale for a fraction of the work; other formats ignore it). One-line
-    :class:`DataError` for a missing, unreadable or too-large file."""
+    """The file at ``path`` (or its bytes, called ``name`` in errors) as the 8-bit RGB picture a viewer shows: EXIF
+    orientation applied (a phone photo taken sideways stands up), 16-bit pixels scaled. ``at_least = (width,
+    height)``: the upright picture may come smaller, down to that size (a JPEG decodes at 1/2, 1/4 or 1/8 scale for a
+    fraction of the work; other formats ignore it). One-line :class:`DataError` for a missing, unreadable or too-large
+    file."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     name = str(path) if name is None else name
     try:
-        with Image.open(path) as im:
+        with Image.open(readable(path)) as im:
             if at_least is not None and im.format == "JPEG":
                 w, h = at_least[::-1] if turned(im) else at_least
                 im.draft(None, (math.ceil(w), math.ceil(h)))

@@ -69,9 +69,10 @@ def write_shards(folder: Union[str, Path], out: Union[str, Path], shards: Option
                 name = f"{split}-{s:06d}.tar"
                 with wds.TarWriter(str(partial / name)) as sink:
                     for i in run:
-                        aspect_of(paths[i])  # its header read: a file that is no picture is refused now, not when a run reaches it
+                        data = Path(paths[i]).read_bytes()
+                        aspect_of(data, paths[i])  # its header read: a file that is no picture is refused now, not when a run reaches it
                         ext = Path(paths[i]).suffix.lower().lstrip(".") or "img"
-                        sink.write({"__key__": f"{i:08d}", ext: Path(paths[i]).read_bytes(), "cls": labels[i]})
+                        sink.write({"__key__": f"{i:08d}", ext: data, "cls": labels[i]})
                 index[split].append({"file": name, "labels": labels[run.start : run.stop]})
                 if (s + 1) % 64 == 0 or s + 1 == len(runs):
                     log(f"{split}: {s + 1}/{len(runs)} shards written")

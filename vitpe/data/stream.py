@@ -9,7 +9,6 @@ fine-tune sees the detail its photos have. :func:`stream_memory` decides between
 """
 from __future__ import annotations
 
-import io
 import math
 import os
 import random
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .images import DataError, open_image, turned
+from .images import DataError, open_image, readable, turned
 
 __all__ = ["decode_at", "decode_many", "cache_slot", "DecodedCache", "FolderSplit", "in_memory_bytes", "stream_memory", "StepPlan",
            "BatchLoader", "planned", "sample_stats", "folder_aspects"]
@@ -47,7 +46,7 @@ def decode_at(path: Union[str, bytes], size: Tuple[int, int], box: Optional[Sequ
 
     bw, bh = (1.0, 1.0) if box is None else (float(box[2]), float(box[3]))
     h, w = size
-    rgb = open_image(io.BytesIO(path) if isinstance(path, bytes) else path, at_least=(w / bw, h / bh), name=name)
+    rgb = open_image(path, at_least=(w / bw, h / bh), name=name)
     return pil_to_tensor(rgb.resize((w, h), Image.BICUBIC, box=_box_pixels(box, *rgb.size)))
 
 
@@ -109,8 +108,7 @@ class DecodedCache:
 
         h, w = self.slot
         if not self.filled[i]:
-            rgb = open_image(io.BytesIO(source) if isinstance(source, bytes) else source, at_least=(w, h), name=name)
-            self.pixels[i] = np.asarray(rgb.resize((w, h), Image.BICUBIC))
+            self.pixels[i] = decode_at(source, self.slot, None, name).permute(1, 2, 0).numpy()
             self.filled[i] = 1  # after the pixels: a reader that sees the flag sees them
         picture = Image.fromarray(np.asarray(self.pixels[i]))
         return pil_to_tensor(picture.resize(size[::-1], Image.BICUBIC, box=_box_pixels(box, w, h)))
@@ -263,15 +261,16 @@ def sample_stats(paths: Sequence[str], k: int = 256) -> Tuple[Tuple[float, ...],
     return tuple(x.mean((0, 2, 3)).tolist()), tuple(x.std((0, 2, 3)).clamp_min(1e-3).tolist())
 
 
-def aspect_of(path: str) -> float:
-    """Width / height of the upright picture, from the file's header (nothing decoded)."""
+def aspect_of(path: Union[str, bytes], name: Optional[str] = None) -> float:
+    """Width / height of the upright picture, from the file's header (nothing decoded); ``path`` may be the file's bytes,
+    called ``name`` in errors."""
     from PIL import Image
 
     try:
-        with Image.open(path) as im:
+        with Image.open(readable(path)) as im:
             w, h = im.size[::-1] if turned(im) else im.size
     except (OSError, SyntaxError, ValueError) as e:
-        raise DataError(f"cannot read image {path} ({type(e).__name__}: {str(e)[:80]}); remove or replace it") from None
+        raise DataError(f"cannot read image {path if name is None else name} ({type(e).__name__}: {str(e)[:80]}); remove or replace it") from None
     return w / h
 
 
