@@ -32,8 +32,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import functools
 import shutil
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,8 +42,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from benchmarks import studykit
 from benchmarks.small_folders import read_idx
-from benchmarks.studykit import TrainSpec, convergence, train_or_reuse, training_time
+from benchmarks.studykit import TrainSpec, convergence, timm_weights, train_or_reuse, training_time
 from vitpe.checkpoint import checkpoint_config, load_checkpoint, model_from_checkpoint
 from vitpe.config import load_config
 from vitpe.data.datasets import FMNIST_CLASSES
@@ -157,7 +158,6 @@ def timm_speed(name: str, out: Path, images: int = 256, size: int = 224) -> Dict
     from the same file."""
     import timm
     from PIL import Image
-    from safetensors.torch import save_file
 
     import vitpe
 
@@ -169,9 +169,7 @@ def timm_speed(name: str, out: Path, images: int = 256, size: int = 224) -> Dict
             (folder / split / cls).mkdir(parents=True, exist_ok=True)
             pixels = (torch.rand(size, size, 3, generator=gen) * 255).to(torch.uint8).numpy()
             Image.fromarray(pixels).save(folder / split / cls / f"{i}.jpg", quality=90)
-    weights = out / f"{name}.safetensors"
-    torch.manual_seed(0)
-    save_file({k: v.contiguous() for k, v in timm.create_model(name, pretrained=False).state_dict().items()}, str(weights))
+    weights = timm_weights(out, name)
     run = out / "runs" / f"timm-{name}"
     if not finished(run):
         train_or_reuse(run, TrainSpec(None, (f"data.name=imagefolder:{folder}", "train.epochs=2", f"init.source=timm:{name}",
@@ -229,10 +227,7 @@ def measured(rows: List[Dict], data: str, arm: str, seed: int) -> bool:
 
 
 # ---- the report ----------------------------------------------------------------------------------------------------
-def mean_sd(values: List[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.fmean(values):.1f}" + (f" ± {statistics.stdev(values):.1f}" if len(values) > 1 else "")
+mean_sd = functools.partial(studykit.mean_sd, digits=1)  # this study's cells: one decimal
 
 
 def table(rows: List[Dict], data: str) -> str:

@@ -31,6 +31,7 @@ from typing import Dict, List
 
 import torch
 
+from benchmarks.studykit import mean_sd, timm_weights
 from benchmarks.timing import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,18 +165,6 @@ def measure(out: Path, row: str, steps: int) -> Dict:
             **{k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}}
 
 
-def timm_weights(out: Path, name: str) -> Path:
-    """timm's model ``name`` as initialised with seed 0, saved once under ``out``."""
-    import timm
-    from safetensors.torch import save_file
-
-    weights = out / f"{name}.safetensors"
-    if not weights.is_file():
-        torch.manual_seed(0)
-        save_file({k: v.contiguous() for k, v in timm.create_model(name, pretrained=False).state_dict().items()}, str(weights))
-    return weights
-
-
 def shards_of(out: Path, folder: Path) -> Path:
     """``folder`` written as tar shards under ``out``, once."""
     from vitpe.data.shard_writer import write_shards
@@ -252,16 +241,11 @@ def report(rows: List[Dict]) -> str:
         lines += ["", "| processes | seeds | test top-1 (%) | training minutes |", "| --- | --- | --- | --- |"]
         for n in sorted({r["processes"] for r in ddp}):
             runs = [r for r in ddp if r["processes"] == n]
-            lines.append(f"| {n} | {len(runs)} | {_spread_of([100 * r['test_top1'] for r in runs])} | "
-                         f"{_spread_of([r['train_s'] / 60 for r in runs])} |")
+            lines.append(f"| {n} | {len(runs)} | {mean_sd([100 * r['test_top1'] for r in runs])} | "
+                         f"{mean_sd([r['train_s'] / 60 for r in runs])} |")
     cpus = sorted({r["cpu"] for r in rows})
     return "\n".join(lines + ["", f"Measured on {', '.join(cpus)}, 2 cores, one measurement at a time."]) + "\n"
 
-
-def _spread_of(values: List[float]) -> str:
-    import statistics
-
-    return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}" if len(values) > 1 else f"{values[0]:.2f}"
 
 
 def main(argv=None) -> int:

@@ -7,9 +7,10 @@ import contextlib
 import os
 import shutil
 import signal
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 from unittest import mock
 
 import torch.nn.functional as F
@@ -213,3 +214,24 @@ def training_time(metrics: List[Dict]) -> float:
             total += last + max(0.0, epoch - wall)
         last = wall
     return total + last
+
+
+def mean_sd(values: Sequence[float], digits: int = 2) -> str:
+    """A table cell: the mean ± the sd over seeds (the mean alone for one seed, "-" for none)."""
+    if not values:
+        return "-"
+    return f"{statistics.fmean(values):.{digits}f}" + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
+
+
+def timm_weights(out: Path, name: str) -> Path:
+    """timm's model ``name`` as initialised with seed 0, saved once under ``out`` as the file ``--init-weights`` takes:
+    nothing is downloaded here."""
+    import timm
+    import torch
+    from safetensors.torch import save_file
+
+    weights = out / f"{name}.safetensors"
+    if not weights.is_file():
+        torch.manual_seed(0)
+        save_file({k: v.contiguous() for k, v in timm.create_model(name, pretrained=False).state_dict().items()}, str(weights))
+    return weights

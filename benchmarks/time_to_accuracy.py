@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import statistics
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from benchmarks.studykit import TrainSpec, train_or_reuse, training_time
+from benchmarks.studykit import TrainSpec, mean_sd, train_or_reuse, training_time
 from benchmarks.timing import cpu_name
 from vitpe.checkpoint import checkpoint_config, load_checkpoint, model_from_checkpoint
 from vitpe.evaluation import dataset_of, evaluate_at
@@ -155,12 +154,6 @@ def save_results(rows: List[Dict], path: Path = RECORD) -> None:
 
 
 # ---- the report ----------------------------------------------------------------------------------------------------
-def mean_sd(values: Sequence[float], digits: int = 2) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.fmean(values):.{digits}f}" + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
-
-
 def table(rows: List[Dict], suite: str) -> str:
     """A line per row of ``suite``: its lever, seeds, training minutes and top-1 (%) at each size, mean ± sd."""
     lever_rows, sizes, target = SUITES[suite]
