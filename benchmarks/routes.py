@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ from vitpe.runs import write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "docs" / "routes" / "results.csv"
+SPEED_RECORD = ROOT / "docs" / "resolution_transfer" / "results.csv"  # the routes' inference speed at each size
 TRAIN_SIZE = 32
 SIZES = (16, 32, 48, 64, 128)  # 0.5x, 1x, 1.5x, 2x, 4x
 FINETUNES = (16, 48, 64)  # 4x (128 px) left out: about 13 minutes a seed, the plan's largest row (docs/which_pe.md)
@@ -169,6 +171,23 @@ def finetune_table(rows: List[Dict], data: str) -> str:
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
+def cost_table(path: Path = SPEED_RECORD) -> str:
+    """What each route costs at inference, from the record that times it: images/s of the evaluation (without loading)
+    of the main job's architecture trained at 32 px (`sincos2d`, shapes, in the resolution-transfer study), median over
+    its seeds, by the coordinate and patch routes at each size. The speed is the architecture's and the tokens', the same
+    on any data; that record times no resize (the planner's record does: routes/planner.md)."""
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if (r["data"], r["row"]) == ("shapes", "sincos2d")]
+    scales = {s: f"{s / TRAIN_SIZE:g}x" for s in SIZES}
+    lines = ["| inference images/s (median of seeds; docs/resolution_transfer/results.csv) | seeds | "
+             + " | ".join(f"{scales[s]} ({s} px)" for s in SIZES) + " |", "| --- | ---: |" + " ---: |" * len(SIZES)]
+    for label, name in (("interpolate", "coordinates"), ("patch", "patch route")):
+        cells = {s: [float(r["images_per_s"]) for r in rows if r["label"] == label and r["column"] == scales[s]] for s in SIZES}
+        seeds = max(len(v) for v in cells.values())
+        lines.append(f"| {name} | {seeds} | " + " | ".join(f"{statistics.median(v):,.0f}" if v else "-" for v in cells.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def figure(rows: List[Dict], data: str, path: Path) -> None:
     """Top-1 against size, one line a route, mean over seeds with the seeds' range shaded."""
     import matplotlib
@@ -201,6 +220,8 @@ def report(path: Path = RECORD) -> str:
             "mean ± sd over seeds; retention is top-1 at kx over top-1 at 1x, per seed, averaged. A run converged when "
             "the trend of its last fifth of epochs is under 0.3 points either way (benchmarks/studykit.py).\n\n")
     text += "".join(table(rows, d) + "\n" + finetune_table(rows, d) + "\n" for d in datasets)
+    if SPEED_RECORD.is_file():
+        text += cost_table() + "\n"
     (path.parent / "table.md").write_text(text)
     for d in datasets:
         figure(rows, d, path.parent / f"{d}.png")

@@ -901,3 +901,9 @@ def test_streaming_smoke_measures_a_folder_read_a_batch_at_a_time(tmp_path, caps
     assert "| first-40-stream | 40 | 32 | streamed |" in out and "| train16-40-stream | 16 | streamed | 0 | on |" in out
     assert "| train16-40-shards | 16 | tar shards | 0 | on |" in out and (tmp_path / "shards40" / "shards.json").is_file()
     assert len(list((tmp_path / "photos40").rglob("*.jpg"))) == 40
+
+
+def test_route_planner_smoke(capsys):
+    assert load_benchmark("route_planner").main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "$ python eval.py runs/one --plan 8 32 --finetune-min 0.02" in out and "\nat 8 px: " in out and "fine-tune" in out

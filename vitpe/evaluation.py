@@ -35,8 +35,8 @@ from .timm.pretrained import exported_run, is_exported
 from .viz import attention_stats, plot_accuracy, plot_attention
 
 __all__ = ["DEFAULT_SCALES", "DEFAULT_ASPECTS", "Scores", "evaluate", "evaluate_native", "evaluate_at", "sweep_summary",
-           "default_resolutions", "data_args", "dataset_of", "patch_fits", "trained_span", "write_rows", "write_results",
-           "shipped_model", "predict"]
+           "default_resolutions", "data_args", "dataset_of", "patch_fits", "route_inputs", "trained_span", "write_rows", "write_results",
+           "shipped_model", "predict", "route_logits"]
 
 DEFAULT_SCALES = (0.5, 0.75, 1.0, 1.5, 2.0)
 DEFAULT_ASPECTS = (0.5, 2.0)  # height / width of the default non-square sizes, at the training size's area
@@ -91,6 +91,7 @@ def evaluate(
     grid_of: Optional[Callable[[nn.Module, Tensor], Any]] = None,
     resize_to: Optional[Tuple[int, int]] = None,
     confusion: bool = False,
+    stop: Optional[Callable[[int, int], bool]] = None,
 ) -> Dict[str, float]:
     """Top-1, top-5 (when there are more than 5 classes), mean cross-entropy and per-class top-1 over a split
     (``confusion``: also the (true, predicted) class counts, :meth:`Scores.result`).
@@ -102,6 +103,8 @@ def evaluate(
     ``resize_to=(h, w)``: each batch is resized to that size first (an exact area average when shrinking,
     :func:`vitpe.data.datasets.shrink_to`), as a user would resize an image to the size a model was trained at: the
     baseline of every resolution-transfer claim.
+    ``stop(hits, n)``: asked after each batch with the top-1 hits so far; True ends the evaluation there (the scores
+    are then of the first ``n`` images).
     """
     was_training = model.training
     model.eval()
@@ -119,6 +122,8 @@ def evaluate(
                 logits = model(view, **kwargs)
             probs = probs + logits.float().softmax(-1) / len(views)
         scores.add(logits if len(views) == 1 else probs.clamp_min(1e-12).log(), labels[s : s + batch_size].to(device))
+        if stop is not None and stop(scores.top1, scores.n):
+            break
     model.train(was_training)
     return scores.result(confusion)
 
@@ -183,7 +188,7 @@ def dataset_of(config: Config, name: Optional[str] = None, data_dir: Optional[st
 
 def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], device: torch.device, dtype: Optional[torch.dtype] = None,
                 batch_size: Union[int, Dict[Tuple[int, int], int]] = 256, desc: str = "", tta: str = "none",
-                diagnostics: int = 0) -> Iterator[Dict]:
+                diagnostics: int = 0, stop: Optional[Callable[[int, int], bool]] = None) -> Iterator[Dict]:
     """``model`` on ``ds``'s test split for each ``(coord_mode, route, (h, w))`` of ``plan``: route ``"coords"`` meets
     the size with new coordinates on a new token grid, ``"patch"`` with FlexiViT's resized patch embedding on the
     trained grid, ``"resize"`` resizes each image back to the model's own size (the baseline a user has for free),
@@ -193,7 +198,8 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
     augmentation (not for the native route, whose packed rows hold images of different sizes). ``diagnostics=N``: also
     each layer's attention distance (pixels) and entropy (nats, and over log(keys)), mean over heads, on the first N
     test images (:func:`vitpe.viz.attention_stats`; not for the native route). ``batch_size``: images per batch, or per
-    size ``(h, w)`` (what :func:`memory_plan` allows)."""
+    size ``(h, w)`` (what :func:`memory_plan` allows). ``stop``: :func:`evaluate`'s, for every entry but the native
+    route's."""
     ref_h = model.ref_grid[0]
     for mode, route, (h, w) in plan:
         bs = batch_size[(h, w)] if isinstance(batch_size, dict) else batch_size
@@ -206,11 +212,10 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
             res["tokens_per_image"] = round(res["tokens_per_image"], 2)
         else:
             images, labels = ds.split_at(False, (h, w))  # a large size's split is made batch by batch
-            patch = h // ref_h if route == "patch" else None
-            resize = model.img_size if route == "resize" else None
+            patch, resize = route_inputs(model, route, (h, w))
             t1 = time.time()
             res = evaluate(model, images, labels, ds.mean, ds.std, bs, device, dtype, progress=True,
-                           desc=f"{desc} @ {h}x{w}", patch_size=patch, tta=tta, resize_to=resize)
+                           desc=f"{desc} @ {h}x{w}", patch_size=patch, tta=tta, resize_to=resize, stop=stop)
             seconds = time.time() - t1
             first = images[: max(diagnostics, 1)]
             sample = normalize((first if resize is None else shrink_to(first, resize)).to(device), ds.mean, ds.std)
@@ -262,6 +267,21 @@ def trained_span(cfg: Config) -> Optional[str]:
     return size_span(sizes) if len(sizes) > 1 else None
 
 
+def route_inputs(model: nn.Module, route: str, size: Tuple[int, int]) -> Tuple[Optional[int], Optional[Tuple[int, int]]]:
+    """``(patch_size, resize_to)`` of ``route`` at ``size``: the patch route's patch size (the trained token grid kept),
+    the resize route's target (the model's own size); None where the route does not use it. Evaluation, the route
+    planner (:mod:`vitpe.route_plan`), predict and export take a route through this one rule."""
+    if route == "patch":
+        if not patch_fits(model, *size):
+            ref_h, ref_w = model.ref_grid
+            raise ValueError(f"the patch route keeps the {ref_h}x{ref_w} token grid, so size {size[0]}x{size[1]} must be "
+                             f"k*{ref_h} x k*{ref_w}")
+        return size[0] // model.ref_grid[0], None
+    if route == "resize":
+        return None, tuple(model.img_size)
+    return None, None
+
+
 def patch_fits(model, h: int, w: int) -> bool:
     """Whether FlexiViT's patch route reaches ``h x w``: the trained token grid with a whole patch size."""
     ref_h, ref_w = model.ref_grid
@@ -299,8 +319,18 @@ def shipped_model(path: str, ema: bool = True) -> Tuple[torch.nn.Module, Dict]:
 
 @torch.no_grad()
 def predict(model: torch.nn.Module, images: Tensor, mean: Sequence[float], std: Sequence[float], top: int = 3,
-            batch_size: int = 64) -> Tuple[Tensor, Tensor]:
-    """Top-``top`` probabilities and class indices ``(N, top)`` of uint8 ``images``, ``batch_size`` images at a time."""
-    model.eval()
-    probs = torch.cat([model(normalize(x, mean, std)).float().softmax(-1) for x in images.split(batch_size)])
+            batch_size: int = 64, route: str = "coords") -> Tuple[Tensor, Tensor]:
+    """Top-``top`` probabilities and class indices ``(N, top)`` of uint8 ``images``, ``batch_size`` images at a time,
+    taken to the model by ``route`` (:func:`route_logits`)."""
+    probs = torch.cat([route_logits(model, x, mean, std, route).float().softmax(-1) for x in images.split(batch_size)])
     return probs.topk(min(top, probs.shape[-1]), dim=-1)
+
+
+@torch.no_grad()
+def route_logits(model: torch.nn.Module, images: Tensor, mean: Sequence[float], std: Sequence[float], route: str = "coords") -> Tensor:
+    """The logits of uint8 ``images`` at their size taken to ``model`` by ``route`` (:func:`route_inputs`): what
+    :func:`evaluate` computes for a batch, in the model's coordinate mode as it is set."""
+    model.eval()
+    patch, resize = route_inputs(model, route, tuple(images.shape[-2:]))
+    x = normalize(images if resize is None else shrink_to(images, resize), mean, std)
+    return model(x) if patch is None else model(x, patch_size=patch)

@@ -18,7 +18,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -41,19 +41,22 @@ def onnx_refusal(model: VisionTransformer) -> Optional[str]:
     return None if why is None else f"the {model.pos_embed.name!r} PE cannot be exported to ONNX: {why}"
 
 
-def _example_size(model: VisionTransformer) -> Tuple[int, int]:
+def _example_size(model: VisionTransformer, patch_size: Optional[int] = None) -> Tuple[int, int]:
     """The input traced: one and two patches past the reference grid, so that no shortcut taken only at the reference
     grid or on a square one is what the graph records."""
-    (h, w), p = model.ref_grid, model.patch_size
+    (h, w), p = model.ref_grid, patch_size or model.patch_size
     return (h + 1) * p, (w + 2) * p
 
 
-def export_onnx(model: VisionTransformer, path: Union[str, Path], *, opset: int = ONNX_OPSET, overwrite: bool = False) -> Path:
+def export_onnx(model: VisionTransformer, path: Union[str, Path], *, opset: int = ONNX_OPSET, overwrite: bool = False,
+                patch_size: Optional[int] = None, metadata: Optional[Dict[str, Any]] = None) -> Path:
     """Write ``model`` as an ONNX graph at ``path``: input ``images`` ``(batch, channels, height, width)`` with batch,
     height and width free (any multiple of the patch size), output ``logits`` ``(batch, classes)``; the model's
-    coordinate mode and PE options as they are now. The file is written whole or not at all; an existing one is kept
-    unless ``overwrite=True``. A PE that cannot be exported (an operator ONNX lacks) raises ``ValueError`` in one line.
-    Image batches only: packed and per-image-coordinate inputs stay in PyTorch."""
+    coordinate mode and PE options as they are now. ``patch_size``: the graph runs the model with its patch embedding
+    resized to that size (FlexiViT's patch route; inputs are then multiples of it). ``metadata``: entries that replace
+    or join the preprocessing the file carries (a route's ``input_size``). The file is written whole or not at all; an
+    existing one is kept unless ``overwrite=True``. A PE that cannot be exported (an operator ONNX lacks) raises
+    ``ValueError`` in one line. Image batches only: packed and per-image-coordinate inputs stay in PyTorch."""
     why = onnx_refusal(model)
     if why:
         raise ValueError(why)
@@ -67,14 +70,17 @@ def export_onnx(model: VisionTransformer, path: Union[str, Path], *, opset: int 
                               "choose another path")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: folder {path.parent} does not exist")
-    x = torch.zeros(1, model.in_chans, *_example_size(model), device=next(model.parameters()).device)
+    x = torch.zeros(1, model.in_chans, *_example_size(model, patch_size), device=next(model.parameters()).device)
     buffer, was_training = io.BytesIO(), model.training
     model.eval()
     try:
+        if patch_size is not None:  # the resized kernel made once here, so that the graph holds it as a constant
+            with torch.no_grad():
+                model.patchify(x, patch_size)
         with warnings.catch_warnings(), torch.no_grad(), _quiet_stdout():
             # the tracer warns at every size it reads; the graph keeps them symbolic (tests check three sizes)
             warnings.simplefilter("ignore")
-            torch.onnx.export(_WholePatches(model), (x,), buffer, dynamo=False, opset_version=opset, input_names=["images"],
+            torch.onnx.export(_WholePatches(model, patch_size), (x,), buffer, dynamo=False, opset_version=opset, input_names=["images"],
                               output_names=["logits"], dynamic_axes={"images": {0: "batch", 2: "height", 3: "width"},
                                                                      "logits": {0: "batch"}})
     except ModuleNotFoundError as e:  # torch.onnx's own needs (onnx, onnxscript in some torch builds)
@@ -85,7 +91,7 @@ def export_onnx(model: VisionTransformer, path: Union[str, Path], *, opset: int 
         model.train(was_training)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_bytes(_with_metadata(buffer.getvalue(), model))
+        tmp.write_bytes(_with_metadata(buffer.getvalue(), model, metadata))
         tmp.replace(path)
     except OSError as e:  # a read-only or full disk: one line, and no half-written file left
         tmp.unlink(missing_ok=True)
@@ -97,14 +103,15 @@ class _WholePatches(torch.nn.Module):
     """The model as the graph records it: an input whose sides are not multiples of the patch size fails in the
     runtime (a Reshape to whole patches), as PyTorch refuses it, instead of answering for its top-left crop."""
 
-    def __init__(self, model: VisionTransformer) -> None:
+    def __init__(self, model: VisionTransformer, patch_size: Optional[int] = None) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.patch_size = model, patch_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
-        p = self.model.patch_size
-        return self.model(x.reshape(b, c, h // p * p, w // p * p))
+        p = self.patch_size or self.model.patch_size
+        x = x.reshape(b, c, h // p * p, w // p * p)
+        return self.model(x) if self.patch_size is None else self.model(x, patch_size=self.patch_size)
 
 
 @contextlib.contextmanager
@@ -133,14 +140,15 @@ def _is_torch_file(path: Path) -> bool:
     return head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
-def _with_metadata(graph: bytes, model: VisionTransformer) -> bytes:
+def _with_metadata(graph: bytes, model: VisionTransformer, extra: Optional[Dict[str, Any]] = None) -> bytes:
     """The ONNX file with what its images need as metadata (onnxruntime: ``session.get_modelmeta().custom_metadata_map``),
     each value JSON: ``input_size``, ``interpolation``, ``crop_pct``, ``mean``, ``std`` and, where known, ``label_names``,
-    as :func:`vitpe.save_pretrained` writes them."""
+    as :func:`vitpe.save_pretrained` writes them; ``extra`` replaces or joins them (a route's ``input_size`` and
+    ``vitpe_route``)."""
     import onnx
 
     proto = onnx.load_from_string(graph)
-    for key, value in preprocessing(model).items():
+    for key, value in {**preprocessing(model), **(extra or {})}.items():
         if key not in ("first_conv", "classifier"):
             entry = proto.metadata_props.add()
             entry.key, entry.value = key, json.dumps(value)
@@ -148,9 +156,10 @@ def _with_metadata(graph: bytes, model: VisionTransformer) -> bytes:
 
 
 def onnx_errors(model: VisionTransformer, path: Union[str, Path], sizes: Sequence[Tuple[int, int]], batch: int = 2,
-                seed: int = 0) -> Dict[Tuple[int, int], float]:
+                seed: int = 0, patch_size: Optional[int] = None) -> Dict[Tuple[int, int], float]:
     """Relative difference ``max |onnx - torch| / max |torch|`` of the logits, per input size, on random images: the
-    check that an exported graph computes what the model computes at sizes it was not traced at (needs onnxruntime)."""
+    check that an exported graph computes what the model computes at sizes it was not traced at (needs onnxruntime).
+    ``patch_size``: the model runs with its patch embedding resized to it, as a graph :func:`export_onnx` wrote with it."""
     try:
         import onnxruntime
     except ImportError:
@@ -158,7 +167,7 @@ def onnx_errors(model: VisionTransformer, path: Union[str, Path], sizes: Sequenc
     if batch < 1:
         raise ValueError(f"onnx_errors needs at least one image per batch, got batch={batch}")
     for size in sizes:
-        model.grid_size(size)  # a size that is not a multiple of the patch size: one line, before anything runs
+        model.grid_size(size, patch_size)  # a size that is not a multiple of the patch size: one line, before anything runs
     try:
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 4  # its errors come back as exceptions, said here in one line; no log lines too
@@ -172,7 +181,8 @@ def onnx_errors(model: VisionTransformer, path: Union[str, Path], sizes: Sequenc
         for h, w in sizes:
             x = torch.randn(batch, model.in_chans, h, w, generator=g)
             with torch.no_grad():
-                want = model(x.to(next(model.parameters()).device)).float().cpu()
+                x_in = x.to(next(model.parameters()).device)
+                want = (model(x_in) if patch_size is None else model(x_in, patch_size=patch_size)).float().cpu()
             try:
                 got = torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
             except Exception as e:

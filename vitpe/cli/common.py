@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 from ..errors import VitpeError
 
-__all__ = ["parse_size", "whole_number", "positive_int", "count", "run_cli"]
+__all__ = ["parse_size", "whole_number", "positive_int", "count", "route_arg", "run_cli"]
 
 
 def parse_size(text: str) -> Tuple[int, int]:
@@ -45,6 +45,18 @@ def positive_int(text: str) -> int:
 
 def count(text: str) -> int:
     return whole_number(text, 0)
+
+
+def route_arg(text: str) -> str:
+    """An argparse type: ``auto`` (the run's route plan) or a route (``coords``, ``coords:MODE``, ``patch``, ``resize``)."""
+    from ..route_plan import PlanError, Route
+
+    if text != "auto":
+        try:
+            Route.parse(text, "interpolate")
+        except PlanError as e:
+            raise argparse.ArgumentTypeError(f"{e}; or auto (the run's plan)") from None
+    return text
 
 
 def run_cli(main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None) -> int:

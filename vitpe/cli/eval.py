@@ -7,6 +7,16 @@ JSON, CSV and plots.
     vitpe eval runs/A --resolutions 32 64 128 --route both         # new grid, or FlexiViT's resized patches
     vitpe eval runs/A --native                                     # also every image at its own aspect ratio
     vitpe eval runs/A --coord-mode extrapolate --rope-scaling yarn # RoPE extrapolation: pi, ntk or yarn
+    vitpe eval runs/A --plan 64 48x96                              # which route at these sizes: measured, chosen, saved
+    vitpe eval runs/A --plan 64 --finetune-min 3                   # ... and a 3-minute fine-tune at 64 px among them
+
+``--plan`` measures every route the run supports at each size on its held-out data (or --data's): new coordinates in
+each coordinate mode that gives the model its own coordinates at its own size, FlexiViT's patch route, the image
+resized back, and with --finetune-min a fine-tune at the size (train.py --init, beside the run). It prints the answer
+first (the route to use at each size, top-1 with its 95% interval, images/s), then every route's top-1, images/s at
+batch 64, latency of one image and peak memory, and saves the plan in the run (route_plan.json, vitpe.route_plan).
+From then on ``--route auto`` (the default where the run has a plan) takes the plan's route at those sizes, and so do
+``vitpe predict`` and ``vitpe export --size``; a plan of another checkpoint or of other held-out data is refused.
 
 The model is rebuilt from the checkpoint alone. ``shapes`` is rendered natively at each resolution;
 other data is resized (antialiased). Results go to RUN/eval-TIMESTAMP/ (or --out): results.json and
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import signal
 import sys
 import tempfile
@@ -38,6 +49,21 @@ from ..data.augment import TTA_MODES
 from ..engine import amp_dtype, memory_plan, resolve_device
 from ..evaluation import data_args, default_resolutions, evaluate_at, patch_fits, trained_span, write_results, write_rows
 from ..pos_embed import PEOption, pe_test_options, set_pe_option
+from ..route_plan import (
+    PLAN_NAME,
+    PlanError,
+    Route,
+    answer_lines,
+    finetune_command,
+    held_out_fingerprint,
+    measure_cost,
+    plan_routes,
+    plan_row,
+    planned_route,
+    report_lines,
+    save_plan,
+    size_key,
+)
 from ..suggest import did_you_mean
 from ..timm.pretrained import exported_run, is_exported
 from .common import count, parse_size, positive_int, run_cli
@@ -45,6 +71,17 @@ from .common import count, parse_size, positive_int, run_cli
 __all__ = ["main", "cli", "parse_args", "option_flags", "parse_pe_options", "option_value"]
 
 DIAGNOSTIC_IMAGES = 64
+
+
+def minutes(text: str) -> float:
+    """An argparse type: a positive, finite number of minutes."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"a fine-tune budget must be a positive number of minutes, got {text}")
+    return value
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -66,10 +103,17 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     for flag, key, option in option_flags():
         p.add_argument(flag, dest="pe_options", action=_PEOptionFlag, const=key, type=_option_type(option),
                        metavar=option.name.upper(), help=f"the same as --pe-option {key}=VALUE: {option.help}")
-    p.add_argument("--route", choices=["coords", "patch", "resize", "both", "all"], default="coords",
+    p.add_argument("--route", choices=["auto", "coords", "patch", "resize", "both", "all"], default=None,
                    help="meet a new resolution with new coordinates on a new token grid (coords), by resizing the patch "
                         "embedding to keep the trained grid (patch: FlexiViT's PI-resize), or by resizing the image back to "
-                        "the model's own size (resize: the baseline); both: coords and patch; all: the three")
+                        "the model's own size (resize: the baseline); both: coords and patch; all: the three; auto: at each size "
+                        "the route the run's plan chose (--plan), coords where it has none (default: auto where the run has a "
+                        "plan and no --coord-mode is given, else coords)")
+    p.add_argument("--plan", nargs="+", type=parse_size, metavar="N|HxW",
+                   help="measure every route the run supports at these sizes on its held-out data (or --data's), choose one per "
+                        f"size, and save the choice in the run ({PLAN_NAME}) for --route auto, predict and export")
+    p.add_argument("--finetune-min", type=minutes, metavar="M",
+                   help="with --plan: also fine-tune the run at each square size for M minutes (train.py --init) and measure it")
     p.add_argument("--native", action="store_true",
                    help="also evaluate every test image at its own aspect ratio with the training size's area, packed "
                         "(NaViT; an image folder keeps each file's aspect ratio, other datasets are square)")
@@ -165,6 +209,7 @@ class RunPlan:
     resolutions: List[Tuple[int, int]]
     controls: str
     batch: Dict[Tuple[int, int], int]  # images per batch at each size: memory bounds it
+    auto: Optional[Dict[Tuple[int, int], Route]] = None  # --route auto: the route at each size (the plan's, else coords)
 
 
 def output_dir(args: argparse.Namespace) -> Path:
@@ -208,9 +253,10 @@ def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets
     model.to(device)
     cfg = checkpoint_config(state)
     patch, train_size = model.patch_size, cfg.model.img_size
-    resolutions = args.resolutions or default_resolutions(train_size, patch)
-    routes = {"both": ["coords", "patch"], "all": ["coords", "patch", "resize"]}.get(args.route, [args.route])
-    if "resize" in routes and trained_span(cfg):
+    resolutions = args.plan or args.resolutions or default_resolutions(train_size, patch)
+    route = route_asked(args, ckpt)
+    routes = {"both": ["coords", "patch"], "all": ["coords", "patch", "resize"], "auto": ["coords"]}.get(route, [route])
+    if "resize" in routes and trained_span(cfg) and not args.plan:
         print(f"note: --route resize resizes every image to {train_size}x{train_size}, {ckpt}'s reference size (it was "
               f"trained at {trained_span(cfg)} too)", file=sys.stderr)
     ref_h, ref_w = model.ref_grid
@@ -218,7 +264,7 @@ def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets
         if "coords" in routes and (h % patch or w % patch):
             raise ConfigError(f"resolution {h}x{w} is not a multiple of the patch size {patch} of {ckpt}; "
                               f"use multiples of {patch}, e.g. {snap(h, patch)}")
-        if "patch" in routes and args.resolutions and not patch_fits(model, h, w):  # the default sizes: the route takes those it can
+        if "patch" in routes and args.resolutions and not args.plan and not patch_fits(model, h, w):  # default sizes, a plan: where it can
             raise ConfigError(f"--route patch keeps the {ref_h}x{ref_w} token grid, so resolution {h}x{w} must be k*{ref_h} x k*{ref_w}")
     key = data_args(cfg, args.data, args.data_dir, args.test_size)
     if key not in datasets:
@@ -245,11 +291,34 @@ def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets
             controls += f" [{key} {text}]"
     except ValueError as e:
         raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
+    auto = None
+    if route == "auto":  # each size's route: the plan's (checked against this checkpoint and data), else coords
+        weights = "ema" if state.get("ema") is not None and not args.no_ema else "raw"
+        fingerprint = _once(lambda: held_out_fingerprint(ds))
+        auto = {hw: planned_route(ckpt, state, hw, weights, fingerprint) or Route("coords", modes[0]) for hw in resolutions}
+        routes = list(dict.fromkeys(r.kind for r in auto.values()))
     new_grid = [(hw, None) for hw in resolutions if "coords" in routes or "resize" in routes]  # resize: planned as its size
     patched = [(hw, hw[0] // ref_h) for hw in resolutions if "patch" in routes and patch_fits(model, *hw)]
     return RunPlan(ckpt, model, state, cfg, ds, name, modes, routes, resolutions, controls,
                    memory_plan(model, new_grid + patched + [((train_size,) * 2, None)], args.batch_size, device, str(ckpt),
-                               (train_size,) * 2))
+                               (train_size,) * 2), auto)
+
+
+def route_asked(args: argparse.Namespace, ckpt: str) -> str:
+    """The route a sweep takes: the one given; else auto where the run has a plan (and no --coord-mode asks for the
+    coordinate route), else coords. A plan measures every route: "all"."""
+    if args.plan:
+        return "all"
+    if args.route:
+        return args.route
+    has_plan = not is_exported(ckpt) and (find_checkpoint(ckpt).parent / PLAN_NAME).is_file()
+    return "auto" if has_plan and args.coord_mode == "checkpoint" else "coords"
+
+
+def _once(make: Callable[[], str]) -> Callable[[], str]:
+    """``make`` called at most once (a split's fingerprint, asked for at each planned size)."""
+    done: List[str] = []
+    return lambda: done[0] if done else (done.append(make()) or done[0])
 
 
 def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, rows: List[Dict],
@@ -263,20 +332,25 @@ def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, 
         train_size = cfg.model.img_size
         dtype = amp_dtype(cfg.train.amp, device)
         variants = [(m, r) for r in run.routes for m in (run.modes if r == "coords" else run.modes[:1])]  # patch route: the trained grid
-        for mode, route in variants:
+        for mode, route in variants if run.auto is None else [(run.modes[0], "auto")]:
             label = cfg.model.pos_embed + (f" ({mode})" if len(run.modes) > 1 or args.coord_mode != "checkpoint" else "") + run.controls
-            label += {"patch": " (patch resize)", "resize": f" (image resized to {train_size})"}.get(route, "")
+            label += {"patch": " (patch resize)", "resize": f" (image resized to {train_size})", "auto": " (planned route)"}.get(route, "")
             if any(r["label"] == label and r["run"] != str(run.ckpt) for r in rows):
                 label = f"{label} [{Path(run.ckpt).name}]"
-            sizes = [hw for hw in run.resolutions if route != "patch" or patch_fits(model, *hw)]
-            plan = [(mode, route, hw) for hw in sizes] + ([(mode, "native", (train_size, train_size))] if args.native and route == "coords" else [])
+            if run.auto is not None:
+                plan = [(r.coord_mode, r.kind, hw) for hw, r in run.auto.items()]
+            else:
+                sizes = [hw for hw in run.resolutions if route != "patch" or patch_fits(model, *hw)]
+                plan = [(mode, route, hw) for hw in sizes]
+            plan += [(mode, "native", (train_size, train_size))] if args.native and route in ("coords", "auto") else []
             for row in evaluate_at(model, ds, plan, device, dtype, run.batch, label, args.tta, args.diagnostics):
                 rows.append({"run": str(run.ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": run.data,
                              **controls,
                              "pe_options": ";".join(args.pe_options) or None, "chance": 1 / ds.num_classes,
                              "weights": "ema" if run.state.get("ema") is not None and not args.no_ema else "raw",
                              "train_size": train_size, "train_sizes": trained_span(cfg), "train_schedule": schedule_text(cfg),
-                             "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row})
+                             "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row,
+                             **({"planned_route": run.auto[(row["height"], row["width"])].name} if route == "auto" and row["route"] != "native" else {})})
                 on_row(rows)
                 if not sys.stdout.isatty():  # a log (nohup, a cluster job): a line per result, not silence until the table
                     print(f"{label} @ {row['resolution']}: top-1 {100 * row['top1']:.2f}% ({row['seconds']:.0f}s)", flush=True)
@@ -286,6 +360,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     parse_pe_options(args.pe_options)  # a malformed option is refused before anything is loaded
     device = resolve_device(args.device)
+    if args.plan or args.finetune_min:
+        return plan_command(args, device)
     datasets: Dict[Tuple, object] = {}
     given = {}
     for ckpt in args.checkpoints:  # the same checkpoint twice (RUN and RUN/checkpoint.pt): once
@@ -335,13 +411,82 @@ def main(argv: Optional[List[str]] = None) -> int:
     for r in rows:
         attn = (f"; attention distance (px) by layer {fmt(r['attn_distance'])}, entropy/log(keys) {fmt(r['attn_entropy_norm'])}"
                 if r.get("attn_distance") else "")
-        print(f"{r['label']} @ {r['resolution']}: {r['tokens_per_image']:g} tokens, {r['images_per_s']:.0f} img/s{attn}")
+        how = f" by {r['planned_route']}" if r.get("planned_route") else ""
+        print(f"{r['label']} @ {r['resolution']}{how}: {r['tokens_per_image']:g} tokens, {r['images_per_s']:.0f} img/s{attn}")
     pictures = ", ".join(str(out / f) for f in ("accuracy_vs_resolution.png", "attention_vs_resolution.png") if (out / f).exists())
     print(f"\nresults: {out / 'results.json'}, {out / 'results.csv'}, {out / 'summary.json'}, {out / 'summary.csv'}\nplots:   {pictures}")
     if stopped:
         print(f"interrupted ({signal.Signals(stopped).name}): the {len(rows)} sizes that finished are in {out}", file=sys.stderr)
         return 128 + stopped
     return 0
+
+
+def plan_command(args: argparse.Namespace, device: torch.device) -> int:
+    """``--plan SIZES``: every route of one run at each size on held-out data, the answer first, then the table; the
+    plan saved in the run (:mod:`vitpe.route_plan`)."""
+    if not args.plan:
+        raise ConfigError("--finetune-min is a budget for the planner's fine-tune: give the sizes too, e.g. --plan 64 --finetune-min 3")
+    if len(args.checkpoints) != 1 or is_exported(args.checkpoints[0]):
+        raise ConfigError("--plan measures one run: give its folder (runs/NAME), the plan is saved there; an exported folder "
+                          "ships the route its run chose")
+    for flag, given in (("--route", args.route), ("--resolutions", args.resolutions), ("--native", args.native),
+                        ("--tta", args.tta != "none"), ("--coord-mode", args.coord_mode != "checkpoint"), ("--out", args.out)):
+        if given:
+            raise ConfigError(f"--plan measures every route and coordinate mode at its own sizes; drop {flag}")
+    ckpt = args.checkpoints[0]
+    run = plan_run(ckpt, args, device, {})
+    if run.controls.strip():
+        raise ConfigError(f"--plan measures the run as trained; drop the test-time options ({run.controls.strip()})")
+    weights = "ema" if run.state.get("ema") is not None and not args.no_ema else "raw"
+    dtype = amp_dtype(run.cfg.train.amp, device)
+    run_dir = find_checkpoint(ckpt).parent
+    finetune = None
+    if args.finetune_min:
+        finetune = lambda size: finetune_row(run_dir, run, size, args.finetune_min, device, dtype)  # noqa: E731
+    print(f"measuring every route of {ckpt} at {' '.join(size_key(s) for s in args.plan)} on {len(run.ds.split(False)[1]):,} "
+          f"held-out images of {run.data}" + (f", and a {args.finetune_min:g}-minute fine-tune at each square size" if finetune else ""),
+          file=sys.stderr)
+    t0 = time.time()
+    say = lambda key, row: print(f"  {key}: {row['route']} top-1 {100 * row['top1']:.2f}%, {row['images_per_s']:,.0f} img/s", file=sys.stderr)  # noqa: E731
+    plan = plan_routes(run.model, run.state, run.ds, args.plan, device, dtype, weights, run.batch, finetune, say, desc=str(ckpt))
+    path = save_plan(run_dir, plan)
+    print("\n".join(answer_lines(plan)))
+    print()
+    print("\n".join(report_lines(plan)))
+    print(f"\nplan: {path} ({time.time() - t0:.0f} s); eval.py, predict and export now take the chosen route at these sizes "
+          "(--route auto)")
+    return 0
+
+
+def finetune_row(run_dir: Path, run: RunPlan, size: Tuple[int, int], budget: float, device: torch.device,
+                 dtype: Optional[torch.dtype]) -> Optional[Dict]:
+    """The planner's fine-tune at a square ``size``: ``train.py --init RUN`` at that size for ``budget`` minutes, beside
+    the run, then measured as the other routes are (its minutes, command and run folder in the row)."""
+    from ..training import train
+
+    if size[0] != size[1]:
+        print(f"note: no fine-tune at {size_key(size)}: the fine-tune trains at square sizes", file=sys.stderr)
+        return None
+    name, n = f"{run_dir.name}-ft{size[0]}", 2
+    while (run_dir.parent / name).exists():
+        name, n = f"{run_dir.name}-ft{size[0]}-{n}", n + 1
+    overrides, command = finetune_command(run_dir, size, budget, run_dir.parent, name)
+    print(f"fine-tune at {size[0]} px: {command}", file=sys.stderr)
+    t0 = time.time()
+    if train(None, overrides) != 0:
+        raise PlanError(f"the fine-tune at {size[0]} px did not finish (see its log in {run_dir.parent / name}); run the planner "
+                        "without --finetune-min, or fix the fine-tune")
+    spent = (time.time() - t0) / 60
+    if spent > 1.2 * budget:
+        print(f"note: the fine-tune at {size[0]} px took {spent:.1f} minutes for a {budget:g}-minute budget: train.budget_min "
+              "trains whole epochs of the run's data (data.train_size smaller makes them shorter)", file=sys.stderr)
+    model, state = model_from_checkpoint(run_dir.parent / name, map_location="cpu")
+    model.to(device)
+    check_classes(state, run.ds, name, "")
+    route = Route("coords", model.coord_mode)
+    result = next(evaluate_at(model, run.ds, [(route.coord_mode, "coords", size)], device, dtype, run.batch, name, diagnostics=0))
+    return plan_row("finetune", result, measure_cost(model, route, size, device, dtype), minutes=round(spent, 2),
+                    command=command, run=str(run_dir.parent / name))
 
 
 @contextlib.contextmanager
