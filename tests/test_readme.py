@@ -249,3 +249,25 @@ def test_the_routes_pages_are_the_record(tmp_path):
         assert all(line in text for line in rows), page
     seeds = {r["seed"] for r in study.load_results(record)}
     assert seeds == {0, 1, 2}  # every claim is over three seeds
+
+
+def test_the_route_planners_output_on_the_pages_is_the_record():
+    """docs/routes/planner.md is what `benchmarks/route_planner.py --report` makes of the committed record (each plan's
+    command, its answer and table regenerated from the plan it saved), and the README and docs/evaluation.md show its
+    output line for line, beside the command that measured it."""
+    study = load_benchmark("route_planner")
+    record = json.loads((ROOT / "docs" / "routes" / "planner.json").read_text())
+    page = (ROOT / "docs" / "routes" / "planner.md").read_text()
+    assert study.report(record) == page, "docs/routes/planner.md is stale: run benchmarks/route_planner.py --report"
+    blocks = re.findall(r"```\n(\$ python eval.py \S+ --plan .*?)```", page, flags=re.S)
+    assert len(blocks) == len(record["plans"]) >= 3
+    for name in ("README.md", "docs/evaluation.md"):
+        shown = re.findall(r"```\n(\$ python eval.py \S+ --plan .*?)```", (ROOT / name).read_text(), flags=re.S)
+        assert shown, f"{name} shows no planner output"
+        for block in shown:
+            lines = [line for line in block.splitlines() if line.strip() and line.strip() != "..."]
+            source = next((b for b in blocks if b.splitlines()[0] == lines[0]), None)
+            assert source is not None, f"{name}: {lines[0]} is not a command the record measured"
+            assert all(line in source.splitlines() for line in lines), f"{name} shows lines the record does not hold"
+    main = next(r for r in record["plans"] if r["arm"] == "main")
+    assert len(main["plan"]["sizes"]) == 3 and "--finetune-min" not in main["command"]
