@@ -27,12 +27,15 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .coords import COORD_MODES, PatchGrid
+from .data.augment import normalize
+from .data.datasets import shrink_to
+from .engine import autocast
 from .errors import VitpeError
 from .evaluation import evaluate_at, patch_fits, route_inputs
 from .runs import write_json
@@ -207,10 +210,6 @@ def measure_cost(model: nn.Module, route: Route, size: Tuple[int, int], device: 
     pipeline does it; the median batch of at least 5, repeated for about ``seconds``), the median latency of one image (ms), and the peak memory
     above what was in use before a batch (MB; the device's allocator on CUDA, the process's resident memory on Linux,
     None elsewhere). Random pixels: the cost does not depend on what the images show."""
-    from .data.augment import normalize
-    from .data.datasets import shrink_to
-    from .engine import autocast
-
     patch, resize = route_inputs(model, route.kind, size)
     kwargs = {} if patch is None else {"patch_size": patch}
     was, mode = model.training, model.coord_mode
@@ -519,7 +518,3 @@ def finetune_command(run: Union[str, Path], size: Tuple[int, int], minutes: floa
     command = " ".join(["python train.py --init", shlex.quote(str(run)), *(f"--set {shlex.quote(s)}" for s in sets),
                         "--out-dir", shlex.quote(str(out_dir)), "--name", shlex.quote(name)])
     return overrides, command
-
-
-def sizes_text(sizes: Iterable[Tuple[int, int]]) -> str:
-    return " ".join(size_key(tuple(s)) for s in sizes)
