@@ -271,3 +271,30 @@ def test_the_route_planners_output_on_the_pages_is_the_record():
             assert all(line in source.splitlines() for line in lines), f"{name} shows lines the record does not hold"
     main = next(r for r in record["plans"] if r["arm"] == "main")
     assert len(main["plan"]["sizes"]) == 3 and "--finetune-min" not in main["command"]
+
+
+def test_a_fine_tune_command_printed_beside_a_number_is_the_arm_that_measured_it(tmp_path):
+    """Where a page gives a fine-tune's accuracy at a new size, the `python train.py --init RUN ...` it prints resolves to
+    the config of the study arm that measured it (the routes study's ft64, the fine-tuning study's ft64keep), the seed
+    aside: not configs/finetune.yaml's 600 steps, which the arms never ran."""
+    import shlex
+
+    from vitpe.cli import train as train_cmd
+    from vitpe.training import resolve_config
+
+    source = tmp_path / "runs" / "shapes-one-seed0"  # the arms' source run, as the studies name it
+    assert train_cmd.main(["--config", "tiny", "--out-dir", str(source.parent), "--name", source.name]) == 0
+    printed = set()
+    for page in ("which_pe.md", "evaluation.md", "finetune.md"):
+        text = re.sub(r"\s*\n\s*", " ", (ROOT / "docs" / page).read_text())
+        printed |= {c for c in re.findall(r"`(python train\.py --init RUN [^`]*)`", text) if "train.resolutions=[64]" in c}
+    assert len(printed) == 1, printed  # one command, the same on every page
+
+    def config(overrides):
+        cfg = resolve_config(None, [o for o in overrides if not o.startswith("train.seed=")]).to_dict()
+        return {**cfg, "name": None, "out_dir": None}
+
+    args = train_cmd.parse_args(shlex.split(printed.pop())[2:])
+    page = config([o.replace("init.source=RUN", f"init.source={source}") for o in train_cmd.cli_overrides(args)])
+    for study, arm in (("routes", "ft64"), ("finetune_study", "ft64keep")):
+        assert config(load_benchmark(study).arm_args("shapes", arm, 0, tmp_path).overrides) == page, study
