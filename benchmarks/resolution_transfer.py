@@ -612,6 +612,9 @@ def trained_table(trained: List[Dict]) -> List[str]:
              "only the training of each run (a resumed run's pieces summed; `-` where the record has none). They depend on "
              "what else ran on the machine meanwhile (two single-threaded study processes side by side take about 1.5x as "
              "long each as one run alone).", ""]
+    timed = [t for t in map(train_seconds, trained) if t is not None]
+    lines += ["| runs | with a time | process-hours of training, in all |", "| ---: | ---: | ---: |",
+              f"| {len(trained)} | {len(timed)} | {sum(timed) / 3600:.1f} |", ""]
     for data in DATASETS:
         runs = sorted((e for e in trained if e["data"] == data), key=lambda e: (order.get(e["row"], len(order)), e["row"], e["seed"], e["epochs"]))
         if not runs:
