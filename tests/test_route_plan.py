@@ -266,3 +266,16 @@ def test_timm_layout_ships_the_model_at_its_own_size_and_refuses_a_route(runs, t
     assert export_cmd.cli([str(runs["one"]), "--hf", str(tmp_path / "hf"), "--size", "64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ships as ONNX" in err[0] and not (tmp_path / "hf").exists()
+
+
+def test_a_plan_stopped_part_way_writes_nothing(runs, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "one"
+    shutil.copytree(runs["one"], run)
+    before = (run / PLAN_NAME).read_bytes()
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while a route is measured
+
+    monkeypatch.setattr(eval_cmd, "plan_routes", stopped)
+    assert eval_cmd.main([str(run), "--plan", "64"]) == 130
+    assert "no plan written" in capsys.readouterr().err and (run / PLAN_NAME).read_bytes() == before

@@ -448,7 +448,14 @@ def plan_command(args: argparse.Namespace, device: torch.device) -> int:
           file=sys.stderr)
     t0 = time.time()
     say = lambda key, row: print(f"  {key}: {row['route']} top-1 {100 * row['top1']:.2f}%, {row['images_per_s']:,.0f} img/s", file=sys.stderr)  # noqa: E731
-    plan = plan_routes(run.model, run.state, run.ds, args.plan, device, dtype, weights, run.batch, finetune, say, desc=str(ckpt))
+    try:
+        with _sigterm_stops():
+            plan = plan_routes(run.model, run.state, run.ds, args.plan, device, dtype, weights, run.batch, finetune, say, desc=str(ckpt))
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: a plan is whole or not written (a fine-tune's run keeps its checkpoint)
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"\ninterrupted ({signal.Signals(signum).name}) before every route was measured; no plan written, "
+              f"{PLAN_NAME} unchanged", file=sys.stderr)
+        return 128 + signum
     path = save_plan(run_dir, plan)
     print("\n".join(answer_lines(plan)))
     print()
