@@ -200,13 +200,13 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
     test images (:func:`vitpe.viz.attention_stats`; not for the native route). ``batch_size``: images per batch, or per
     size ``(h, w)`` (what :func:`memory_plan` allows). ``stop``: :func:`evaluate`'s, for every entry but the native
     route's."""
-    ref_h = model.ref_grid[0]
     for mode, route, (h, w) in plan:
         bs = batch_size[(h, w)] if isinstance(batch_size, dict) else batch_size
         model.coord_mode = mode
         t0 = time.time()
         extra: Dict = {}
         if route == "native":
+            patch = None
             res = evaluate_native(model, ds, h, bs, device, dtype, progress=True, desc=f"{desc} @ native")
             seconds = time.time() - t0
             res["tokens_per_image"] = round(res["tokens_per_image"], 2)
@@ -232,7 +232,7 @@ def evaluate_at(model, ds, plan: Iterable[Tuple[str, str, Tuple[int, int]]], dev
                 extra = {f"attn_{k}": [None if math.isnan(v) else round(v, 4) for v in t.nanmean(1).tolist()] for k, t in stats.items()}
         name = "native" if route == "native" else f"{h}x{w}" if h != w else str(h)
         yield {"coord_mode": mode, "route": route, "resolution": name, "height": h, "width": w,
-               "patch_size": h // ref_h if route == "patch" else model.patch_size, "tta": "none" if route == "native" else tta,
+               "patch_size": patch or model.patch_size, "tta": "none" if route == "native" else tta,
                **res, "images_per_s": round(res["n"] / max(seconds, 1e-9), 1), **extra, "seconds": round(time.time() - t0, 2)}
 
 

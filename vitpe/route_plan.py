@@ -42,7 +42,7 @@ from .runs import write_json
 
 __all__ = ["PLAN_NAME", "PLAN_FORMAT", "ROUTE_KINDS", "Route", "PlanError", "wilson_interval", "candidate_routes",
            "held_out_fingerprint", "checkpoint_identity", "measure_cost", "plan_row", "choose", "plan_routes", "answer_lines", "report_lines",
-           "save_plan", "load_plan", "planned_route", "route_for", "size_key", "finetune_command"]
+           "save_plan", "load_plan", "plan_path", "planned_route", "route_for", "weights_of", "size_key", "finetune_command"]
 
 PLAN_NAME = "route_plan.json"  # beside config.yaml in the run folder
 PLAN_FORMAT = "vitpe-route-plan-v1"
@@ -150,6 +150,12 @@ def held_out_fingerprint(ds: Any) -> str:
     else:
         raise PlanError(f"{ds.name}'s test split cannot be fingerprinted ({type(images).__name__})")
     return h.hexdigest()
+
+
+def weights_of(state: Dict[str, Any], ema: bool = True) -> str:
+    """Which weights of checkpoint ``state`` a command uses: ``"ema"`` where it kept an EMA and ``ema`` asks for it, else
+    ``"raw"`` (what a plan records and what eval's rows call them)."""
+    return "ema" if ema and state.get("ema") is not None else "raw"
 
 
 def checkpoint_identity(state: Dict[str, Any], weights: str) -> Dict[str, Any]:
@@ -414,7 +420,7 @@ def report_lines(plan: Dict[str, Any]) -> List[str]:
 def save_plan(run: Union[str, Path], plan: Dict[str, Any]) -> Path:
     """Write ``plan`` to ``RUN/route_plan.json`` atomically. A plan there of the same checkpoint, weights and data keeps
     the sizes this one did not measure; any other is replaced."""
-    path = Path(run) / PLAN_NAME
+    path = plan_path(run)
     try:
         old = load_plan(run)
     except PlanError:
@@ -452,7 +458,7 @@ def _check_plan(plan: Any, path: Path) -> Dict[str, Any]:
 
 def load_plan(run: Union[str, Path]) -> Optional[Dict[str, Any]]:
     """The plan saved in ``run`` (a run folder or its checkpoint), checked; None where there is none."""
-    path = _plan_path(run)
+    path = plan_path(run)
     if not path.is_file():
         return None
     try:
@@ -470,7 +476,7 @@ def planned_route(run: Union[str, Path], state: Dict[str, Any], size: Tuple[int,
     plan = load_plan(run)
     if plan is None or size_key(tuple(size)) not in plan["sizes"]:
         return None
-    path = _plan_path(run)
+    path = plan_path(run)
     redo = f"measure again (vitpe eval {run} --plan {size_key(tuple(size))}) or choose a route (--route coords, patch or resize)"
     then, now = plan["checkpoint"], checkpoint_identity(state, weights)
     if then.get("weights") != weights:
@@ -496,13 +502,14 @@ def route_for(run: Union[str, Path], model: nn.Module, state: Optional[Dict[str,
         return Route.parse(asked, model.coord_mode), None
     if state is None:
         return own, None
-    route = planned_route(run, state, size, "ema" if ema and state.get("ema") is not None else "raw")
+    route = planned_route(run, state, size, weights_of(state, ema))
     if route is None:
         return own, None
-    return route, f"at {size_key(tuple(size))} the run's plan chose {route.name} ({_plan_path(run)})"
+    return route, f"at {size_key(tuple(size))} the run's plan chose {route.name} ({plan_path(run)})"
 
 
-def _plan_path(run: Union[str, Path]) -> Path:
+def plan_path(run: Union[str, Path]) -> Path:
+    """Where the plan of ``run`` (a run folder or its checkpoint) is kept: beside its config.yaml."""
     run = Path(run)
     return (run if run.is_dir() else run.parent) / PLAN_NAME
 

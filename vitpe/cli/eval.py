@@ -57,12 +57,14 @@ from ..route_plan import (
     finetune_command,
     held_out_fingerprint,
     measure_cost,
+    plan_path,
     plan_routes,
     plan_row,
     planned_route,
     report_lines,
     save_plan,
     size_key,
+    weights_of,
 )
 from ..suggest import did_you_mean
 from ..timm.pretrained import exported_run, is_exported
@@ -293,7 +295,7 @@ def plan_run(ckpt: str, args: argparse.Namespace, device: torch.device, datasets
         raise ConfigError(f"{ckpt} ({cfg.model.pos_embed}): {e}") from None
     auto = None
     if route == "auto":  # each size's route: the plan's (checked against this checkpoint and data), else coords
-        weights = "ema" if state.get("ema") is not None and not args.no_ema else "raw"
+        weights = weights_of(state, not args.no_ema)
         fingerprint = _once(lambda: held_out_fingerprint(ds))
         auto = {hw: planned_route(ckpt, state, hw, weights, fingerprint) or Route("coords", modes[0]) for hw in resolutions}
         routes = list(dict.fromkeys(r.kind for r in auto.values()))
@@ -311,7 +313,7 @@ def route_asked(args: argparse.Namespace, ckpt: str) -> str:
         return "all"
     if args.route:
         return args.route
-    has_plan = not is_exported(ckpt) and (find_checkpoint(ckpt).parent / PLAN_NAME).is_file()
+    has_plan = not is_exported(ckpt) and plan_path(ckpt).is_file()
     return "auto" if has_plan and args.coord_mode == "checkpoint" else "coords"
 
 
@@ -347,7 +349,7 @@ def sweep(plans: List[RunPlan], args: argparse.Namespace, device: torch.device, 
                 rows.append({"run": str(run.ckpt), "label": label, "pos_embed": cfg.model.pos_embed, "data": run.data,
                              **controls,
                              "pe_options": ";".join(args.pe_options) or None, "chance": 1 / ds.num_classes,
-                             "weights": "ema" if run.state.get("ema") is not None and not args.no_ema else "raw",
+                             "weights": weights_of(run.state, not args.no_ema),
                              "train_size": train_size, "train_sizes": trained_span(cfg), "train_schedule": schedule_text(cfg),
                              "scale": round((row["height"] * row["width"]) ** 0.5 / train_size, 4), **row,
                              **({"planned_route": run.auto[(row["height"], row["width"])].name} if route == "auto" and row["route"] != "native" else {})})
@@ -437,7 +439,7 @@ def plan_command(args: argparse.Namespace, device: torch.device) -> int:
     run = plan_run(ckpt, args, device, {})
     if run.controls.strip():
         raise ConfigError(f"--plan measures the run as trained; drop the test-time options ({run.controls.strip()})")
-    weights = "ema" if run.state.get("ema") is not None and not args.no_ema else "raw"
+    weights = weights_of(run.state, not args.no_ema)
     dtype = amp_dtype(run.cfg.train.amp, device)
     run_dir = find_checkpoint(ckpt).parent
     finetune = None

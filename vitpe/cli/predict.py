@@ -20,12 +20,12 @@ from typing import List, Optional
 
 import torch
 
-from ..checkpoint import find_checkpoint, load_checkpoint
+from ..checkpoint import load_checkpoint
 from ..data.images import read_images
 from ..engine import memory_plan
 from ..errors import command_name
 from ..evaluation import predict, route_inputs, shipped_model
-from ..route_plan import PLAN_NAME, route_for
+from ..route_plan import plan_path, route_for
 from ..timm.pretrained import is_exported
 from .common import parse_size, route_arg, run_cli
 
@@ -66,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     model, data = shipped_model(args.run, ema=not args.no_ema)
     size = args.size or tuple(model.img_size)
     # the checkpoint a plan is checked against (read again, unverified: shipped_model verified it), where there is a plan
-    planned = not is_exported(args.run) and (find_checkpoint(args.run).parent / PLAN_NAME).is_file()
+    planned = not is_exported(args.run) and plan_path(args.run).is_file()
     state = load_checkpoint(args.run, verify=False) if planned and args.route == "auto" and size != tuple(model.img_size) else None
     route, note = route_for(args.run, model, state, size, args.route, ema=not args.no_ema)
     if note:
