@@ -39,6 +39,7 @@ from .engine import autocast
 from .errors import VitpeError
 from .evaluation import evaluate_at, patch_fits, route_inputs
 from .runs import write_json
+from .timm.pretrained import file_sha256
 
 __all__ = ["PLAN_NAME", "PLAN_FORMAT", "ROUTE_KINDS", "Route", "PlanError", "wilson_interval", "candidate_routes",
            "held_out_fingerprint", "checkpoint_identity", "measure_cost", "plan_row", "choose", "plan_routes", "answer_lines", "report_lines",
@@ -144,9 +145,7 @@ def held_out_fingerprint(ds: Any) -> str:
         h.update(images.contiguous().numpy().tobytes())
     elif files:
         for path in files:
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
+            h.update(bytes.fromhex(file_sha256(path)))
     else:
         raise PlanError(f"{ds.name}'s test split cannot be fingerprinted ({type(images).__name__})")
     return h.hexdigest()
