@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Dict, List, Optional
 import torch
 
 from benchmarks.studykit import TrainSpec, train_or_reuse
+from benchmarks.timing import cpu_name
 from vitpe.route_plan import answer_lines, load_plan, report_lines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,14 +35,6 @@ ARMS = {"main": TrainSpec(None), "one": TrainSpec(None, ("train.resolution_range
 PLANS = [("main", ["--plan", "16", "64", "48x96"]), ("one", ["--plan", "16", "64", "48x96"]),
          ("one", ["--plan", "64", "--finetune-min", "2"])]
 SMOKE = [("one", ["--plan", "8", "32", "--finetune-min", "0.02"])]  # configs/tiny.yaml's runs are 16 px
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def measure(out: Path, run: Path, args: List[str]) -> Dict:
