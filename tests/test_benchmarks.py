@@ -906,4 +906,4 @@ def test_streaming_smoke_measures_a_folder_read_a_batch_at_a_time(tmp_path, caps
 def test_route_planner_smoke(capsys):
     assert load_benchmark("route_planner").main(["--smoke"]) == 0
     out = capsys.readouterr().out
-    assert "$ python eval.py runs/one --plan 8 32 --finetune-min 0.02" in out and "\nat 8 px: " in out and "fine-tune" in out
+    assert "$ python eval.py runs/one --plan 8" in out and "\nat 8 px: " in out and "resize to 16" in out
